@@ -1,0 +1,1 @@
+"""Collective backends: MPI on the CPU (``mpi``); NCCL on the GPU comes with the GPU issue."""

@@ -1,0 +1,138 @@
+"""Every ``HVDDP_*`` environment variable, parsed once at ``init()`` into a frozen dataclass.
+
+Each variable is also accepted under its Horovod name (``HVDDP_CYCLE_TIME`` ->
+``HOROVOD_CYCLE_TIME``); when both are set the ``HVDDP_`` one wins. A value that does not parse
+raises ``ValueError`` naming the variable, the value received and what is expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable, Mapping, Optional
+
+__all__ = ["Config", "from_env", "VARIABLES"]
+
+_MIB = 1 << 20
+_LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Engine settings; see README's table of environment variables."""
+
+    fusion_threshold_bytes: int = 64 * _MIB
+    mpi_chunk_bytes: int = 4 * _MIB
+    cycle_time_ms: float = 1.0
+    cache_capacity: int = 1024
+    stall_check_disable: bool = False
+    stall_check_time_s: float = 60.0
+    stall_shutdown_time_s: float = 0.0
+    timeline: str = ""
+    timeline_mark_cycles: bool = False
+    log_level: str = "WARNING"
+    gpu_operations: str = "NCCL"
+
+
+def _int(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text.strip())
+        if value < minimum:
+            raise ValueError(f"must be >= {minimum}")
+        return value
+
+    parse.expected = f"an integer >= {minimum}"  # type: ignore[attr-defined]
+    return parse
+
+
+def _float(minimum: float) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = float(text.strip())
+        if not value >= minimum or value != value or value == float("inf"):
+            raise ValueError(f"must be >= {minimum}")
+        return value
+
+    parse.expected = f"a finite number >= {minimum}"  # type: ignore[attr-defined]
+    return parse
+
+
+def _bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("not a boolean")
+
+
+_bool.expected = "one of 1/0/true/false/yes/no/on/off"  # type: ignore[attr-defined]
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().upper()
+        if value not in choices:
+            raise ValueError("not a known choice")
+        return value
+
+    parse.expected = "one of " + ", ".join(choices)  # type: ignore[attr-defined]
+    return parse
+
+
+def _text(text: str) -> str:
+    return text
+
+
+_text.expected = "a path or DYNAMIC"  # type: ignore[attr-defined]
+
+# variable suffix -> (dataclass field, parser)
+VARIABLES: Mapping[str, tuple] = {
+    "FUSION_THRESHOLD": ("fusion_threshold_bytes", _int(0)),
+    "MPI_CHUNK_BYTES": ("mpi_chunk_bytes", _int(1024)),
+    "CYCLE_TIME": ("cycle_time_ms", _float(0.0)),
+    "CACHE_CAPACITY": ("cache_capacity", _int(0)),
+    "STALL_CHECK_DISABLE": ("stall_check_disable", _bool),
+    "STALL_CHECK_TIME_SECONDS": ("stall_check_time_s", _float(0.0)),
+    "STALL_SHUTDOWN_TIME_SECONDS": ("stall_shutdown_time_s", _float(0.0)),
+    "TIMELINE": ("timeline", _text),
+    "TIMELINE_MARK_CYCLES": ("timeline_mark_cycles", _bool),
+    "LOG_LEVEL": ("log_level", _choice(*_LOG_LEVELS)),
+    "GPU_OPERATIONS": ("gpu_operations", _choice("NCCL", "MPI")),
+}
+
+
+def _lookup(environ: Mapping[str, str], suffix: str) -> Optional[tuple]:
+    for prefix in ("HVDDP_", "HOROVOD_"):
+        name = prefix + suffix
+        if name in environ:
+            return name, environ[name]
+    return None
+
+
+def from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
+    """Parse the ``HVDDP_*`` (or ``HOROVOD_*``) variables into a ``Config``.
+
+    Args:
+        environ: the mapping to read; ``os.environ`` by default.
+
+    Returns:
+        The settings, defaults filled in.
+
+    Raises:
+        ValueError: a variable is set to a value that does not parse; the message names it.
+    """
+    environ = os.environ if environ is None else environ
+    values = {}
+    for suffix, (field, parse) in VARIABLES.items():
+        found = _lookup(environ, suffix)
+        if found is None:
+            continue
+        name, raw = found
+        try:
+            values[field] = parse(raw)
+        except ValueError:
+            raise ValueError(
+                f"environment variable {name}={raw!r} is not valid: expected {parse.expected}. "
+                f"Fix or unset {name}."
+            ) from None
+    return Config(**values)

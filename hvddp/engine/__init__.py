@@ -1,0 +1,1 @@
+"""The background engine: negotiation by name, a response cache, fusion and execution."""

@@ -1,0 +1,230 @@
+"""Rank 0's side of negotiation: who is ready for which name, and do their requests agree.
+
+Only requests that missed the response cache reach here (the slow path). A name is ready when
+every member of its process set that has not joined has announced it. Ready names are checked
+field by field; a disagreement becomes an error response that every member raises, naming the
+tensor, the field and each rank's value. Grouped requests are released together.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Dict, List, NamedTuple, Optional, Sequence
+
+from .messages import JOIN_TOLERANT, Kind, Request, Response, ReduceOp
+
+log = logging.getLogger("hvddp")
+
+JOIN_KEY = (0, "__join__")
+
+
+class Decision(NamedTuple):
+    """What rank 0 broadcasts after a slow-path round."""
+
+    responses: List[Response]
+    evict: List[tuple]
+    join_mode: bool
+    fatal: Optional[str]
+
+
+class _Waiting:
+    __slots__ = ("requests", "first_seen", "warned")
+
+    def __init__(self, now: float) -> None:
+        self.requests: Dict[int, Request] = {}
+        self.first_seen = now
+        self.warned = False
+
+
+def _fields(kind: Kind) -> Sequence[str]:
+    common = ("dtype", "device")
+    if kind is Kind.ALLREDUCE:
+        return common + ("shape", "op", "prescale", "postscale", "group")
+    if kind is Kind.REDUCESCATTER:
+        return common + ("shape", "op", "prescale", "postscale", "group")
+    if kind in (Kind.ALLGATHER, Kind.ALLTOALL):
+        return common + ("ndim", "trailing shape", "group")
+    if kind is Kind.BROADCAST:
+        return common + ("shape", "root rank")
+    if kind is Kind.ADD_PROCESS_SET:
+        return ("ranks",)
+    return ()
+
+
+def _value(request: Request, field: str):
+    if field == "ndim":
+        return len(request.shape)
+    if field == "trailing shape":
+        return tuple(request.shape[1:])
+    if field == "root rank":
+        return request.root
+    if field == "ranks":
+        return request.extra
+    if field == "op":
+        return ReduceOp(request.op)
+    if field == "group":
+        return None if request.group is None else request.group[1]
+    return getattr(request, field)
+
+
+class Coordinator:
+    """Kept on rank 0 only; fed every slow-path round, answers with a ``Decision``."""
+
+    def __init__(self, world_size: int, process_sets, cache, config, timeline=None) -> None:
+        self.world_size = world_size
+        self.process_sets = process_sets
+        self.cache = cache
+        self.config = config
+        self.timeline = timeline
+        self.table: "OrderedDict[tuple, _Waiting]" = OrderedDict()
+        self.joined: List[int] = []  # in order of joining
+        self._evict: List[tuple] = []
+        self._fatal: Optional[str] = None
+
+    # ------------------------------------------------------------------------------------
+    def ingest(self, rank: int, requests: Sequence[Request], now: float) -> None:
+        for request in requests:
+            if request.kind is Kind.JOIN:
+                if rank not in self.joined:
+                    self.joined.append(rank)
+                continue
+            key = request.key()
+            if self.cache.has_name(key) and key not in self._evict:
+                self._evict.append(key)
+            waiting = self.table.get(key)
+            if waiting is None:
+                waiting = self.table[key] = _Waiting(now)
+                if self.timeline:
+                    self.timeline.negotiate_start(request.name, request.kind.value)
+            waiting.requests[rank] = request
+            if self.timeline:
+                self.timeline.negotiate_rank_ready(request.name, rank)
+
+    def wants_round(self, now: float) -> bool:
+        """True when rank 0 has something to announce even if no rank sent anything new."""
+        if self._fatal is not None:
+            return True
+        limit = self.config.stall_shutdown_time_s
+        if limit > 0:
+            for waiting in self.table.values():
+                if now - waiting.first_seen > limit:
+                    return True
+        return False
+
+    def check_stalls(self, now: float) -> None:
+        """Log (once per name) which ranks are missing names that others have waited on."""
+        cfg = self.config
+        if cfg.stall_check_disable or not self.table:
+            return
+        late = []
+        for key, waiting in self.table.items():
+            if not waiting.warned and now - waiting.first_seen > cfg.stall_check_time_s:
+                waiting.warned = True
+                late.append((key, waiting))
+        if late:
+            log.warning("%s", self._stall_text(late, now, "stalled"))
+        limit = cfg.stall_shutdown_time_s
+        if limit > 0 and self._fatal is None:
+            dead = [(k, w) for k, w in self.table.items() if now - w.first_seen > limit]
+            if dead:
+                self._fatal = (self._stall_text(dead, now, "stalled") +
+                               f" Shutting down after HVDDP_STALL_SHUTDOWN_TIME_SECONDS={limit:g}.")
+
+    def _stall_text(self, late, now: float, word: str) -> str:
+        parts = []
+        for (ps_id, name), waiting in late:
+            members = self.process_sets[ps_id].ranks
+            missing = [r for r in members if r not in waiting.requests and r not in self.joined]
+            kind = next(iter(waiting.requests.values())).kind.value
+            parts.append(f"{kind} {name!r} (waiting {now - waiting.first_seen:.1f} s): "
+                         f"submitted by ranks {sorted(waiting.requests)}, missing on ranks {missing}")
+        return (f"{word} collectives: one or more ranks have not submitted these: "
+                + "; ".join(parts) + ". A rank skipped a step, took another code path, or died.")
+
+    # ------------------------------------------------------------------------------------
+    def decide(self, now: float) -> Decision:
+        self.check_stalls(now)
+        ready: List[tuple] = []
+        errors: Dict[tuple, str] = {}
+        joined = set(self.joined)
+        for key, waiting in self.table.items():
+            ps = self.process_sets.get(key[0])
+            if ps is None:
+                errors[key] = f"process set {key[0]} does not exist (removed?)"
+                ready.append(key)
+                continue
+            members = ps.ranks
+            submitted = waiting.requests
+            if any(r not in submitted and r not in joined for r in members):
+                continue
+            ready.append(key)
+            first = next(iter(submitted.values()))
+            if first.kind not in JOIN_TOLERANT and joined.intersection(members):
+                errors[key] = (f"{first.kind.value} {key[1]!r} cannot run while rank(s) "
+                               f"{sorted(joined.intersection(members))} have called join(); only "
+                               f"allreduce and barrier accept joined ranks. Call it before join().")
+        ready = self._complete_groups(ready, errors)
+        responses: List[Response] = []
+        for key in ready:
+            waiting = self.table.pop(key)
+            if key in errors:
+                request = next(iter(waiting.requests.values()))
+                responses.append(Response(request.kind, key[0], key[1], errors[key], request))
+            else:
+                responses.append(self._response(key, waiting))
+            if self.timeline:
+                self.timeline.negotiate_end(key[1])
+        if len(self.joined) == self.world_size:
+            responses.append(Response(Kind.JOIN, JOIN_KEY[0], JOIN_KEY[1],
+                                      request=Request(Kind.JOIN, 0, JOIN_KEY[1], "", ()),
+                                      info=self.joined[-1]))
+            self.joined = []
+        evict, self._evict = self._evict, []
+        return Decision(responses, evict, bool(self.joined), self._fatal)
+
+    def _complete_groups(self, ready: List[tuple], errors) -> List[tuple]:
+        counts: Dict[str, int] = {}
+        for key in ready:
+            group = next(iter(self.table[key].requests.values())).group
+            if group is not None:
+                counts[group[0]] = counts.get(group[0], 0) + 1
+        if not counts:
+            return ready
+        kept = []
+        for key in ready:
+            group = next(iter(self.table[key].requests.values())).group
+            if group is None or counts[group[0]] >= group[1] or key in errors:
+                kept.append(key)
+        return kept
+
+    def _response(self, key: tuple, waiting: _Waiting) -> Response:
+        ps = self.process_sets[key[0]]
+        by_rank = waiting.requests
+        requests = [(r, by_rank[r]) for r in ps.ranks if r in by_rank]
+        first = requests[0][1]
+        kinds = {r: q.kind.value for r, q in requests}
+        if len(set(kinds.values())) > 1:
+            return Response(first.kind, key[0], key[1],
+                            f"{key[1]!r} was submitted as different collectives: "
+                            + ", ".join(f"rank {r} {k}" for r, k in kinds.items())
+                            + ". Every rank must call the same collective under one name.", first)
+        for field in _fields(first.kind):
+            values = {r: _value(q, field) for r, q in requests}
+            if len(set(values.values())) > 1:
+                shown = ", ".join(f"rank {r} {v}" for r, v in values.items())
+                return Response(first.kind, key[0], key[1],
+                                f"{first.kind.value} {key[1]!r}: {field} differs across ranks: "
+                                f"{shown}.", first)
+        info = None
+        if first.kind is Kind.ALLGATHER:
+            info = [by_rank[r].shape[0] if r in by_rank else 0 for r in ps.ranks]
+        elif first.kind is Kind.ALLTOALL:
+            info = [list(by_rank[r].splits) for r in ps.ranks]
+            bad = [(r, len(s)) for r, s in zip(ps.ranks, info) if len(s) != ps.size]
+            if bad:
+                return Response(first.kind, key[0], key[1],
+                                f"alltoall {key[1]!r}: splits must have one entry per rank "
+                                f"({ps.size}), got lengths " + ", ".join(f"rank {r} {n}" for r, n in bad)
+                                + ".", first)
+        return Response(first.kind, key[0], key[1], None, first, info)

@@ -1,0 +1,273 @@
+"""Execution of agreed responses on CPU buffers: fusion, in-place reduction, copy-out scaling.
+
+Every rank executes the same response list in the same order; this module turns that list
+into MPI calls. Small allreduces with the same fusion key are packed into one reusable buffer
+(prescale folded into the copy in, postscale and Average's 1/size into the copy out); a tensor
+alone in its batch is reduced on its own memory. float16 and bfloat16 have no MPI type: they
+are reduced in float32, the widening folded into the pack copy and the rounding into the
+unpack, which costs twice the bytes on the wire and sums more accurately than half precision.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+
+from ..exceptions import HvddpError
+from .messages import Kind, ReduceOp, Request
+
+HALF_TYPES = ("float16", "bfloat16")
+
+
+def wire_dtype(dtype: str) -> str:
+    return "float32" if dtype in HALF_TYPES else dtype
+
+
+class Entry:
+    """A request this rank submitted, with its buffers and the handle to complete."""
+
+    __slots__ = ("request", "input", "output", "writeback", "handle", "index", "submitted",
+                 "state", "slot", "group_keys")
+
+    def __init__(self, request: Request, input_: Optional[np.ndarray], output: Optional[np.ndarray],
+                 handle, index: int, submitted: float, writeback: Optional[np.ndarray] = None) -> None:
+        self.request = request
+        self.input = input_
+        self.output = output  # set for in-place ops; allocated at execution otherwise
+        self.writeback = writeback  # a non-contiguous in-place target, written at the end
+        self.handle = handle
+        self.index = index
+        self.submitted = submitted
+        self.state = 0
+        self.slot = -1
+        self.group_keys: Tuple[tuple, ...] = ()
+
+    def complete(self, value) -> None:
+        if self.writeback is not None and value is not None:
+            np.copyto(self.writeback, value.reshape(self.writeback.shape))
+            value = self.writeback
+        self.handle._set_part(self.index, value)
+
+    def fail(self, error: BaseException) -> None:
+        self.handle._fail(error)
+
+
+def _dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+class Executor:
+    """Runs one cycle's agreed work on this rank."""
+
+    def __init__(self, config, process_sets, timeline=None) -> None:
+        self.config = config
+        self.process_sets = process_sets  # ps_id -> runtime ProcessSet
+        self.timeline = timeline
+        self._fusion: Dict[str, np.ndarray] = {}
+        from ..backends import mpi as mpi_backend  # imports mpi4py.MPI, so only once running
+
+        self.mpi = mpi_backend
+
+    def _fusion_buffer(self, dtype: str, count: int) -> np.ndarray:
+        buf = self._fusion.get(dtype)
+        if buf is None or buf.size < count:
+            buf = np.empty(max(count, 1), dtype=_dtype(dtype))
+            self._fusion[dtype] = buf
+        return buf[:count]
+
+    # ------------------------------------------------------------------------------------
+    def run(self, items: Sequence[Tuple[Request, Optional[Entry], object]]) -> None:
+        """Execute ``(agreed request, local entry or None, info)`` items in a fixed order."""
+        batches: Dict[tuple, List[list]] = {}
+        order: List[tuple] = []
+        threshold = self.config.fusion_threshold_bytes
+        for item in items:
+            request = item[0]
+            if request.kind is not Kind.ALLREDUCE:
+                self._run_one(*item)
+                continue
+            wire = wire_dtype(request.dtype)
+            key = (request.ps_id, request.op, request.prescale, request.postscale, wire,
+                   request.device)
+            nbytes = int(np.prod(request.shape, dtype=np.int64)) * _dtype(wire).itemsize
+            groups = batches.get(key)
+            if groups is None:
+                groups = batches[key] = []
+                order.append(key)
+            if groups and groups[-1][0] + nbytes <= threshold:
+                groups[-1][0] += nbytes
+                groups[-1][1].append(item)
+            else:
+                groups.append([nbytes, [item]])
+        for key in order:
+            for _, batch in batches[key]:
+                self._allreduce_batch(batch)
+
+    def _run_one(self, request: Request, entry: Optional[Entry], info) -> None:
+        try:
+            result = self._dispatch(request, entry, info)
+        except Exception as exc:  # reported on the caller's thread; the engine goes on
+            if entry is not None:
+                entry.fail(exc if isinstance(exc, HvddpError) else
+                           HvddpError(f"{request.kind.value} {request.name!r} failed: {exc}"))
+            return
+        if entry is not None:
+            entry.complete(result)
+
+    def _dispatch(self, request: Request, entry: Optional[Entry], info):
+        ps = self.process_sets[request.ps_id]
+        comm = ps.comm
+        kind = request.kind
+        if kind is Kind.BARRIER:
+            return None
+        if kind is Kind.JOIN:
+            return info
+        dtype = _dtype(request.dtype)
+        row_shape = tuple(request.shape[1:])
+        row_bytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
+        if kind is Kind.BROADCAST:
+            if entry.output is not None:  # in place
+                out = entry.output
+                self.mpi.bcast_bytes(comm, out, request.root)
+                return out
+            if ps.rank == request.root:
+                out = entry.input.copy()
+            else:
+                out = np.empty(request.shape, dtype=dtype)
+            self.mpi.bcast_bytes(comm, out, request.root)
+            return out.reshape(request.shape)
+        if kind is Kind.ALLGATHER:
+            dims = info
+            out = np.empty((sum(dims),) + row_shape, dtype=dtype)
+            self.mpi.allgatherv_bytes(comm, entry.input, out, [d * row_bytes for d in dims])
+            return out
+        if kind is Kind.ALLTOALL:
+            matrix = info
+            me = ps.rank
+            send = [c * row_bytes for c in matrix[me]]
+            recv_splits = [row[me] for row in matrix]
+            out = np.empty((sum(recv_splits),) + row_shape, dtype=dtype)
+            self.mpi.alltoallv_bytes(comm, entry.input, send, out, [c * row_bytes for c in recv_splits])
+            return out, np.asarray(recv_splits, dtype=np.int32)
+        if kind is Kind.REDUCESCATTER:
+            return self._reducescatter(request, entry, ps, dtype, row_shape)
+        raise HvddpError(f"internal error: no executor for {kind!r}")
+
+    def _reducescatter(self, request, entry, ps, dtype, row_shape):
+        rows = request.shape[0] if request.shape else 0
+        base, extra = divmod(rows, ps.size)
+        row_counts = [base + (1 if r < extra else 0) for r in range(ps.size)]
+        row_elems = int(np.prod(row_shape, dtype=np.int64))
+        counts = [c * row_elems for c in row_counts]
+        wire = _dtype(wire_dtype(request.dtype))
+        src = entry.input.reshape(-1)
+        if wire != dtype or request.prescale != 1.0:
+            tmp = np.empty(src.size, dtype=wire)
+            _scaled_copy(tmp, src, request.prescale)
+            src = tmp
+        recv = np.empty(counts[ps.rank], dtype=wire)
+        self.mpi.reduce_scatter(ps.comm, src, recv, counts, request.op)
+        out = np.empty((row_counts[ps.rank],) + row_shape, dtype=dtype)
+        _scaled_copy(out.reshape(-1), recv, _post_factor(request, ps.size))
+        return out
+
+    # ------------------------------------------------------------------------------------
+    def _allreduce_batch(self, batch: list) -> None:
+        request0 = batch[0][0]
+        ps = self.process_sets[request0.ps_id]
+        chunk = self.config.mpi_chunk_bytes
+        pre = request0.prescale
+        post = _post_factor(request0, ps.size)
+        wire = wire_dtype(request0.dtype)
+        tl = self.timeline
+        try:
+            if len(batch) == 1 and wire == request0.dtype:
+                request, entry, _ = batch[0]
+                src, dst = _buffers(request, entry)
+                if tl:
+                    tl.activity(request.name, "MPI_ALLREDUCE")
+                if pre != 1.0:
+                    _scaled_copy(dst, src, pre)
+                    src = dst
+                if src is dst:
+                    self.mpi.allreduce_inplace(ps.comm, dst, request.op, chunk)
+                else:
+                    self.mpi.allreduce(ps.comm, src, dst, request.op, chunk)
+                if post != 1.0:
+                    _scaled_copy(dst, dst, post)
+            else:
+                sizes = [int(np.prod(item[0].shape, dtype=np.int64)) for item in batch]
+                buf = self._fusion_buffer(wire, sum(sizes))
+                if tl:
+                    tl.activities([item[0].name for item in batch], "MEMCPY_IN_FUSION_BUFFER")
+                offset = 0
+                views = []
+                for (request, entry, _), n in zip(batch, sizes):
+                    view = buf[offset:offset + n]
+                    offset += n
+                    views.append(view)
+                    if entry is None:
+                        view.fill(0)
+                    else:
+                        _scaled_copy(view, entry.input.reshape(-1), pre)
+                if tl:
+                    tl.activities([item[0].name for item in batch], "MPI_ALLREDUCE")
+                self.mpi.allreduce_inplace(ps.comm, buf, request0.op, chunk)
+                if tl:
+                    tl.activities([item[0].name for item in batch], "MEMCPY_OUT_FUSION_BUFFER")
+                for (request, entry, _), view in zip(batch, views):
+                    if entry is None:
+                        continue
+                    if entry.output is None:
+                        entry.output = np.empty(request.shape, dtype=_dtype(request.dtype))
+                    _scaled_copy(entry.output.reshape(-1), view, post)
+        except Exception as exc:
+            error = HvddpError(f"allreduce of {[item[0].name for item in batch]} failed: {exc}")
+            for _, entry, _ in batch:
+                if entry is not None:
+                    entry.fail(error)
+            return
+        for request, entry, _ in batch:
+            if entry is not None:
+                entry.complete(entry.output.reshape(request.shape))
+
+
+def _post_factor(request: Request, size: int) -> float:
+    factor = request.postscale
+    if request.op == ReduceOp.AVERAGE:
+        factor = factor / size
+    return factor
+
+
+def _buffers(request: Request, entry: Optional[Entry]):
+    """Source and destination of a direct (unfused) reduction."""
+    if entry is None:  # a joined rank contributes zeros
+        zeros = np.zeros(int(np.prod(request.shape, dtype=np.int64)), dtype=_dtype(request.dtype))
+        return zeros, zeros
+    src = entry.input.reshape(-1)
+    if entry.output is None:
+        entry.output = np.empty(request.shape, dtype=src.dtype)
+    return src, entry.output.reshape(-1)
+
+
+def _scaled_copy(dst: np.ndarray, src: np.ndarray, factor: float) -> None:
+    """``dst = src * factor`` in one pass (a plain copy when factor is 1), casting to dst.
+
+    Float math runs in the wider of the two dtypes (float32 for half types); integer results
+    are truncated toward zero.
+    """
+    if factor == 1.0:
+        if dst is not src:
+            np.copyto(dst, src, casting="unsafe")
+    elif dst.dtype.kind in "iub" or src.dtype.kind in "iub":
+        scaled = src * factor
+        np.copyto(dst, scaled if dst.dtype.kind == "f" else np.trunc(scaled), casting="unsafe")
+    else:
+        wide = np.float64 if np.float64 in (dst.dtype.type, src.dtype.type) else np.float32
+        np.multiply(src, wide(factor), out=dst, casting="unsafe")

@@ -1,0 +1,323 @@
+"""The background thread: the only caller of MPI after ``init()``.
+
+Each cycle:
+1. New submissions are sorted into cached ones (announced as one bit each) and uncached ones.
+2. One bitwise-AND allreduce of the bit vector (plus flag bits) tells which cached entries are
+   ready on every rank and whether anyone has uncached requests or is shutting down.
+3. If so, a slow round: uncached requests go to rank 0, which answers with the ordered list of
+   responses (and cache evictions, join state, a fatal error); every rank applies it.
+4. Every rank executes the same ready set in the same order; fusion happens in the executor.
+
+Waits that may be long (negotiation) poll nonblocking MPI requests with a sleeping backoff, so a
+rank waiting for a slower peer does not steal the core its training thread runs on.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+import time
+from typing import Dict, List, Optional
+
+import numpy as np
+from mpi4py import MPI
+
+from ..backends import mpi as mpi_backend
+from ..exceptions import HvddpError, MismatchError, ShutdownError, StallError
+from .cache import ResponseCache
+from .coordinator import Coordinator, Decision
+from .executor import Entry, Executor
+from .messages import Kind, Request
+
+log = logging.getLogger("hvddp")
+
+NEW, BIT, UNSENT, SENT = 0, 1, 2, 3
+FLAG_NO_UNSENT = 0x01
+FLAG_NOT_SHUTDOWN = 0x02
+IDLE_WAIT_S = 0.05
+
+
+class Engine:
+    """Owns the world communicator's duplicate and runs every collective on its thread."""
+
+    def __init__(self, comm: MPI.Comm, config, process_sets, make_process_set, timeline=None) -> None:
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.config = config
+        self.process_sets = process_sets
+        self._make_process_set = make_process_set
+        self.timeline = timeline
+        self.cache = ResponseCache(config.cache_capacity)
+        self.executor = Executor(config, process_sets, timeline)
+        self.coordinator = (Coordinator(self.size, process_sets, self.cache, config, timeline)
+                            if self.rank == 0 else None)
+        self._cv = threading.Condition(threading.Lock())
+        self._queue: List[Entry] = []
+        self._names: set = set()
+        self._pending: Dict[tuple, Entry] = {}
+        self._join_mode = False
+        self._shutdown_requested = False
+        self._error: Optional[HvddpError] = None  # set once the engine has stopped
+        self._bits = np.zeros(1 + (config.cache_capacity + 7) // 8, dtype=np.uint8)
+        self._want = np.zeros(((config.cache_capacity + 7) // 8) * 8, dtype=bool)
+        self._nonmember_version = -1
+        self._nonmember = np.zeros_like(self._want)
+        stall = config.stall_check_time_s
+        if config.stall_shutdown_time_s > 0:
+            stall = min(stall, config.stall_shutdown_time_s)
+        self._demote_s = max(0.05, min(2.0, stall / 4))
+        self._thread = threading.Thread(target=self._run, name="hvddp-engine", daemon=True)
+        self._thread.start()
+
+    # User thread -------------------------------------------------------------------------
+    def submit(self, entries: List[Entry]) -> None:
+        """Queue entries (all or none); a name already pending is a ``ValueError``."""
+        with self._cv:
+            if self._error is not None:
+                raise type(self._error)(str(self._error))
+            keys = [e.request.key() for e in entries]
+            for key in keys:
+                if key in self._names:
+                    raise ValueError(
+                        f"a collective named {key[1]!r} is already pending; wait for it (or give "
+                        f"this one another name) before submitting it again.")
+            if len(set(keys)) != len(keys):
+                dup = next(k for k in keys if keys.count(k) > 1)
+                raise ValueError(f"the name {dup[1]!r} appears twice in one grouped call; names "
+                                 f"must be unique.")
+            self._names.update(keys)
+            self._queue.extend(entries)
+            self._cv.notify()
+
+    def stop(self) -> None:
+        """Ask every rank's engine to stop (collectively) and wait for this one to end."""
+        with self._cv:
+            self._shutdown_requested = True
+            self._cv.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    # Engine thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        cycle_s = self.config.cycle_time_ms / 1000.0
+        last = 0.0
+        try:
+            while True:
+                with self._cv:
+                    idle = not self._queue and not self._pending and not self._shutdown_requested
+                    if idle:  # a request after idleness starts a cycle at once
+                        self._cv.wait(IDLE_WAIT_S)
+                if not idle:  # a busy engine lets requests gather for fusion
+                    wait = last + cycle_s - time.monotonic()
+                    if wait > 0:
+                        time.sleep(wait)
+                last = time.monotonic()
+                if not self._cycle(last):
+                    return
+        except BaseException as exc:  # never die silently: fail every waiting handle
+            log.exception("hvddp engine failed on rank %d", self.rank)
+            self._stop_with(HvddpError(f"hvddp engine failed on rank {self.rank}: {exc!r}"))
+
+    def _cycle(self, now: float) -> bool:
+        with self._cv:
+            new, self._queue = self._queue, []
+            shutdown = self._shutdown_requested
+        for entry in new:
+            self._pending[entry.request.key()] = entry
+        if self.timeline and self.config.timeline_mark_cycles:
+            self.timeline.mark_cycle()
+
+        unsent = self._classify(now)
+        flags = 0xFF
+        if unsent or (self.coordinator is not None and self.coordinator.wants_round(now)):
+            flags &= ~FLAG_NO_UNSENT
+        if shutdown:
+            flags &= ~FLAG_NOT_SHUTDOWN
+        bits = self._bits
+        bits[0] = flags
+        if self.cache.capacity:
+            self._refresh_nonmember()
+            want = self._want
+            want[:] = self._nonmember
+            for entry in self._pending.values():
+                if entry.state == BIT:
+                    want[entry.slot] = True
+            bits[1:] = np.packbits(want)
+        mpi_backend.wait(self.comm.Iallreduce(MPI.IN_PLACE, [bits, MPI.UINT8_T], MPI.BAND))
+        flags = int(bits[0])
+        if not flags & FLAG_NOT_SHUTDOWN:
+            self._shutdown_collectively()
+            return False
+
+        work = self._fast_ready(bits) if self.cache.capacity else []
+        if not flags & FLAG_NO_UNSENT:
+            decision = self._slow_round(unsent, now)
+            if decision.fatal:
+                self._stop_with(StallError(decision.fatal))
+                return False
+            work.extend(self._apply(decision))
+        if self.coordinator is not None:
+            self.coordinator.check_stalls(now)
+        if work:
+            with self._cv:
+                for _, entry, _ in work:
+                    if entry is not None:
+                        self._names.discard(entry.request.key())
+            self.executor.run(work)
+        return True
+
+    def _classify(self, now: float) -> List[Entry]:
+        """Decide per pending entry: announce by cache bit, or send to rank 0 (once)."""
+        unsent = []
+        cache = self.cache
+        use_cache = cache.capacity > 0 and not self._join_mode
+        for entry in self._pending.values():
+            if entry.state in (SENT, UNSENT):
+                if entry.state == UNSENT:
+                    unsent.append(entry)
+                continue
+            slot = None
+            if use_cache and entry.request.kind is Kind.ALLREDUCE and now - entry.submitted < self._demote_s:
+                slot = cache.lookup(entry.request)
+                if slot is not None and entry.group_keys:
+                    for key in entry.group_keys:
+                        sibling = self._pending.get(key)
+                        if sibling is None or sibling.state in (SENT, UNSENT) or cache.lookup(sibling.request) is None:
+                            slot = None
+                            break
+            if slot is None:
+                entry.state = UNSENT
+                unsent.append(entry)
+                for key in entry.group_keys:  # a group travels one way
+                    sibling = self._pending.get(key)
+                    if sibling is not None and sibling.state in (NEW, BIT):
+                        sibling.state = UNSENT
+                        unsent.append(sibling)
+            else:
+                entry.state = BIT
+                entry.slot = slot
+        return unsent
+
+    def _refresh_nonmember(self) -> None:
+        if self._nonmember_version == self.cache.version:
+            return
+        self._nonmember[:] = False
+        for slot, request in self.cache.slots():
+            ps = self.process_sets.get(request.ps_id)
+            if ps is None or ps.rank < 0:
+                self._nonmember[slot] = True
+        self._nonmember_version = self.cache.version
+
+    def _fast_ready(self, bits: np.ndarray) -> list:
+        ready = np.flatnonzero(np.unpackbits(bits[1:]))
+        if ready.size == 0:
+            return []
+        cache = self.cache
+        items = []
+        groups: Dict[str, list] = {}
+        for slot in ready.tolist():
+            try:
+                request = cache.request(slot)
+            except KeyError:
+                continue
+            if request.group is not None:
+                groups.setdefault(request.group[0], []).append((slot, request))
+                continue
+            items.append((slot, request))
+        for members in groups.values():
+            if len(members) == members[0][1].group[1]:
+                items.extend(members)
+        items.sort()
+        work = []
+        for slot, request in items:
+            cache.touch(slot)
+            ps = self.process_sets[request.ps_id]
+            if ps.rank < 0:
+                continue
+            entry = self._pending.pop(request.key())
+            work.append((request, entry, None))
+        return work
+
+    def _slow_round(self, unsent: List[Entry], now: float) -> Decision:
+        for entry in unsent:
+            entry.state = SENT
+        payload = np.frombuffer(pickle.dumps([e.request for e in unsent], protocol=5), dtype=np.uint8)
+        comm = self.comm
+        counts = np.zeros(self.size if self.rank == 0 else 1, dtype=np.int64)
+        mine = np.array([payload.size], dtype=np.int64)
+        mpi_backend.wait(comm.Igather([mine, MPI.INT64_T], [counts, MPI.INT64_T], root=0))
+        if self.rank == 0:
+            total = int(counts.sum())
+            gathered = np.empty(max(total, 1), dtype=np.uint8)
+            displs = np.concatenate([[0], np.cumsum(counts[:-1])]).astype(np.int64)
+            mpi_backend.wait(comm.Igatherv([payload, MPI.BYTE],
+                                           [gathered, (counts.tolist(), displs.tolist()), MPI.BYTE], root=0))
+            for r in range(self.size):
+                chunk = gathered[displs[r]:displs[r] + counts[r]]
+                self.coordinator.ingest(r, pickle.loads(chunk.tobytes()), now)
+            decision = self.coordinator.decide(now)
+            blob = np.frombuffer(pickle.dumps(decision, protocol=5), dtype=np.uint8)
+            length = np.array([blob.size], dtype=np.int64)
+        else:
+            mpi_backend.wait(comm.Igatherv([payload, MPI.BYTE], None, root=0))
+            length = np.zeros(1, dtype=np.int64)
+        mpi_backend.wait(comm.Ibcast([length, MPI.INT64_T], root=0))
+        if self.rank != 0:
+            blob = np.empty(int(length[0]), dtype=np.uint8)
+        mpi_backend.wait(comm.Ibcast([blob, MPI.BYTE], root=0))
+        if self.rank != 0:
+            decision = pickle.loads(blob.tobytes())
+        return decision
+
+    def _apply(self, decision: Decision) -> list:
+        for key in decision.evict:
+            self.cache.evict(key)
+        self._join_mode = decision.join_mode
+        work = []
+        for response in decision.responses:
+            ps = self.process_sets.get(response.ps_id)
+            member = ps is not None and ps.rank >= 0
+            entry = self._pending.pop(response.key(), None) if member else None
+            if response.error is not None:
+                if entry is not None:
+                    with self._cv:
+                        self._names.discard(response.key())
+                    entry.fail(MismatchError(response.error))
+                continue
+            kind = response.kind
+            if kind in (Kind.ADD_PROCESS_SET, Kind.REMOVE_PROCESS_SET):
+                result = self._make_process_set(kind, response.request, self.comm)
+                if entry is not None:
+                    with self._cv:
+                        self._names.discard(response.key())
+                    entry.complete(result)
+                continue
+            if kind is Kind.ALLREDUCE and not decision.join_mode:
+                self.cache.put(response.request)
+            if member:
+                work.append((response.request, entry, response.info))
+        return work
+
+    def _shutdown_collectively(self) -> None:
+        who = self.comm.allgather(self._shutdown_requested)
+        ranks = [r for r, flag in enumerate(who) if flag]
+        self._stop_with(ShutdownError(
+            f"hvddp was shut down (shutdown() called on rank(s) {ranks}) while this collective "
+            f"was pending; it will never complete. Call shutdown() only after every rank has "
+            f"finished its collectives."))
+
+    def _stop_with(self, error: HvddpError) -> None:
+        with self._cv:
+            self._error = error
+            entries = list(self._pending.values()) + self._queue
+            self._pending.clear()
+            self._queue = []
+            self._names.clear()
+        for entry in entries:
+            entry.fail(type(error)(f"{entry.request.kind.value} {entry.request.name!r}: {error}"))

@@ -1,0 +1,41 @@
+"""The hvddp error hierarchy: every library failure is an ``HvddpError`` (a ``RuntimeError``)."""
+
+from __future__ import annotations
+
+__all__ = [
+    "HvddpError",
+    "NotInitializedError",
+    "BackendUnavailableError",
+    "MismatchError",
+    "ShutdownError",
+    "StallError",
+    "LauncherMismatchError",
+]
+
+
+class HvddpError(RuntimeError):
+    """Base class of every error raised by hvddp itself."""
+
+
+class NotInitializedError(HvddpError):
+    """A function that needs ``hvddp.init()`` was called before it (or after ``shutdown()``)."""
+
+
+class BackendUnavailableError(HvddpError):
+    """A backend (MPI, NCCL, CUDA) or an optional package is missing."""
+
+
+class MismatchError(HvddpError):
+    """Ranks submitted the same collective with different parameters; raised on every rank."""
+
+
+class ShutdownError(HvddpError):
+    """The engine stopped (``shutdown()`` on some rank) while this operation was pending."""
+
+
+class StallError(HvddpError):
+    """Some ranks never submitted a collective that others were waiting on."""
+
+
+class LauncherMismatchError(HvddpError):
+    """The launcher started N processes but MPI reports each of them as a size-1 world."""

@@ -1,0 +1,528 @@
+"""Public numpy-level collectives: validate, name, enqueue, return a handle.
+
+Every collective is identified by a name. Ranks must submit the same names with matching
+parameters (dtype, shape, op, ...), in any order; a disagreement raises ``MismatchError`` on every
+rank. Names default to a per-process counter per kind (``allreduce.noname.3``), which matches
+across ranks when every rank makes the same unnamed calls in the same order. Synchronous forms
+block until the result is ready; ``_async`` forms return a ``Handle`` at once; forms ending in
+``_`` write the result into their input. In a size-1 run every collective is a local copy (or
+no copy) with the same scaling rules.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import numbers
+import pickle
+import time
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .engine.executor import Entry, HALF_TYPES
+from .engine.messages import Kind, ReduceOp, Request
+from .handles import Handle
+from .runtime import ProcessSet, _state, global_process_set
+
+__all__ = [
+    "Average", "Sum", "Min", "Max", "Product", "Adasum", "ReduceOp",
+    "allreduce", "allreduce_async", "allreduce_", "allreduce_async_",
+    "grouped_allreduce", "grouped_allreduce_async", "grouped_allreduce_", "grouped_allreduce_async_",
+    "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
+    "broadcast", "broadcast_async", "broadcast_", "broadcast_async_",
+    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+    "grouped_reducescatter", "grouped_reducescatter_async",
+    "barrier", "join", "broadcast_object", "allgather_object",
+]
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
+Adasum = ReduceOp.ADASUM
+
+SUPPORTED_DTYPES = ("uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
+                    "float32", "float64", "bool")
+
+_counters = {}
+
+
+def _auto_name(kind: str) -> str:
+    counter = _counters.get(kind)
+    if counter is None:
+        counter = _counters[kind] = itertools.count()
+    return f"{kind}.noname.{next(counter)}"
+
+
+def _check_name(name: Any, fn: str) -> Optional[str]:
+    if name is None:
+        return None
+    if not isinstance(name, str):
+        raise TypeError(f"{fn}: name must be a str or None, got {type(name).__name__} {name!r}.")
+    if not name:
+        raise ValueError(f"{fn}: name must be a non-empty string (or None for an automatic name), got ''.")
+    return name
+
+
+def _array(tensor: Any, fn: str, arg: str = "tensor") -> np.ndarray:
+    if isinstance(tensor, np.ndarray):
+        array = tensor
+    elif isinstance(tensor, (np.generic, numbers.Number)) and not isinstance(tensor, (str, bytes)):
+        array = np.asarray(tensor)
+    else:
+        raise TypeError(f"{fn}: {arg} must be a numpy array, got {type(tensor).__name__}. For torch "
+                        f"or Keras tensors use hvddp.torch / hvddp.keras; convert lists with np.asarray.")
+    if array.dtype.name not in SUPPORTED_DTYPES:
+        raise TypeError(f"{fn}: {arg} has dtype {array.dtype.name}, which hvddp does not support; "
+                        f"supported: {', '.join(SUPPORTED_DTYPES)}. Cast it first (e.g. .astype(np.float32)).")
+    return array
+
+
+def _process_set(process_set: Any, fn: str):
+    state = _state()
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"{fn}: process_set must be an hvddp.ProcessSet, got {type(process_set).__name__}.")
+    if process_set.process_set_id is None or process_set.process_set_id not in state.process_sets:
+        raise ValueError(f"{fn}: {process_set!r} is not registered; call hvddp.add_process_set() first.")
+    view = state.process_sets[process_set.process_set_id]
+    if view.rank < 0:
+        raise ValueError(f"{fn}: this rank ({state.rank}) is not a member of {process_set!r}; only its "
+                         f"members may call collectives on it.")
+    return state, view
+
+
+def _op(op: Any, average: Any, fn: str, default: ReduceOp = Average) -> ReduceOp:
+    if average is not None:
+        if op is not None:
+            raise ValueError(f"{fn}: pass either op= or the legacy average=, not both "
+                             f"(got op={op!r}, average={average!r}).")
+        return Average if average else Sum
+    if op is None:
+        return default
+    try:
+        op = ReduceOp(op)
+    except ValueError:
+        raise ValueError(f"{fn}: op must be one of hvddp.Average, Sum, Min, Max, Product; got {op!r}.") from None
+    if op is ReduceOp.ADASUM:
+        raise ValueError(f"{fn}: op=Adasum is not implemented in hvddp; use Average or Sum.")
+    return op
+
+
+def _factor(value: Any, fn: str, arg: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{fn}: {arg} must be a real number, got {type(value).__name__} {value!r}.")
+    value = float(value)
+    if not np.isfinite(value):
+        raise ValueError(f"{fn}: {arg} must be finite, got {value!r}.")
+    return value
+
+
+def _check_reduce(array: np.ndarray, op: ReduceOp, fn: str, arg: str = "tensor") -> None:
+    if array.dtype == np.bool_ and op not in (Min, Max):
+        raise ValueError(f"{fn}: {arg} is bool, which reduces only with op=Min (logical and) or "
+                         f"op=Max (logical or); got op={op!r}. Cast to an integer dtype to count.")
+
+
+def _entry(kind: Kind, array: np.ndarray, name: str, view, handle: Handle, index: int,
+           inplace: bool = False, **fields) -> Entry:
+    contiguous = array if array.flags.c_contiguous else np.ascontiguousarray(array)
+    writeback = None
+    output = None
+    if inplace:
+        if not array.flags.writeable:
+            raise ValueError(f"{kind.value}_: tensor {name!r} is read-only; in-place collectives "
+                             f"need a writable array (use the out-of-place form).")
+        output = contiguous
+        if contiguous is not array:
+            writeback = array
+    request = Request(kind, view.owner.process_set_id, name, array.dtype.name, array.shape, **fields)
+    return Entry(request, contiguous, output, handle, index, time.monotonic(), writeback)
+
+
+def _group_id(names: Sequence[str]) -> str:
+    return hashlib.blake2b("\x00".join(names).encode(), digest_size=8).hexdigest()
+
+
+def _submit(state, entries: List[Entry]) -> None:
+    if len(entries) > 1:
+        keys = tuple(e.request.key() for e in entries)
+        for e in entries:
+            e.group_keys = keys
+    state.engine.submit(entries)
+
+
+# allreduce --------------------------------------------------------------------------------
+def _allreduce(fn: str, tensors: Sequence[Any], average, name, op, prescale_factor, postscale_factor,
+               process_set, inplace: bool, grouped: bool) -> Handle:
+    state, view = _process_set(process_set, fn)
+    op = _op(op, average, fn)
+    pre = _factor(prescale_factor, fn, "prescale_factor")
+    post = _factor(postscale_factor, fn, "postscale_factor")
+    name = _check_name(name, fn)
+    arrays = [_array(t, fn, f"tensors[{i}]" if grouped else "tensor") for i, t in enumerate(tensors)]
+    for i, a in enumerate(arrays):
+        _check_reduce(a, op, fn, f"tensors[{i}]" if grouped else "tensor")
+    if grouped:
+        base = name or _auto_name("grouped_allreduce")
+        names = [f"{base}.{i}" for i in range(len(arrays))]
+    else:
+        names = [name or _auto_name("allreduce")]
+    handle = Handle(names[0] if not grouped else base, parts=len(arrays), keep=tensors)
+    group = (_group_id(names), len(names)) if grouped and len(names) > 1 else None
+    entries = [_entry(Kind.ALLREDUCE, a, n, view, handle, i, inplace, op=int(op), prescale=pre,
+                      postscale=post, group=group) for i, (a, n) in enumerate(zip(arrays, names))]
+    if not entries:
+        handle._result = []
+        handle._event.set()
+        return handle
+    _submit(state, entries)
+    return handle
+
+
+def allreduce_async(tensor: np.ndarray, average: Optional[bool] = None, name: Optional[str] = None,
+                    op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """Start reducing ``tensor`` across ranks; return a handle whose result is a new array.
+
+    Every member of ``process_set`` must submit ``name`` with the same dtype, shape, op and
+    scale factors. The result is ``postscale * op(prescale * tensor_r for each rank r)``, with
+    Average dividing the sum by the set's size (integers truncate toward zero). float16 and
+    bfloat16 are reduced in float32 and rounded once at the end. ``tensor`` is not modified.
+
+    Args:
+        tensor: a numpy array of a supported dtype (bool only with Min/Max).
+        average: legacy flag; True means ``op=Average``, False ``op=Sum``.
+        name: the name that matches this call across ranks; automatic when None.
+        op: ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result after it.
+        process_set: the ranks taking part; every rank by default.
+
+    Returns:
+        A ``Handle``; ``synchronize(handle)`` returns the reduced array.
+
+    Raises:
+        TypeError, ValueError: a bad argument (named in the message), or ``name`` already pending.
+    """
+    return _allreduce("allreduce", [tensor], average, name, op, prescale_factor, postscale_factor,
+                      process_set, False, False)
+
+
+def allreduce(tensor: np.ndarray, average: Optional[bool] = None, name: Optional[str] = None,
+              op: Optional[ReduceOp] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> np.ndarray:
+    """Reduce ``tensor`` across ranks and return the result; blocks. See ``allreduce_async``."""
+    return allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor, process_set).wait()
+
+
+def allreduce_async_(tensor: np.ndarray, average: Optional[bool] = None, name: Optional[str] = None,
+                     op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
+                     postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> Handle:
+    """Start reducing ``tensor`` in place (it must be writable); the handle's result is ``tensor``."""
+    return _allreduce("allreduce_", [tensor], average, name, op, prescale_factor, postscale_factor,
+                      process_set, True, False)
+
+
+def allreduce_(tensor: np.ndarray, average: Optional[bool] = None, name: Optional[str] = None,
+               op: Optional[ReduceOp] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> np.ndarray:
+    """Reduce ``tensor`` in place across ranks and return it; blocks."""
+    return allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set).wait()
+
+
+def grouped_allreduce_async(tensors: Sequence[np.ndarray], average: Optional[bool] = None,
+                            name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> Handle:
+    """Start reducing a list of arrays as one atomic group (they complete together).
+
+    Members are named ``<name>.<i>``. Same contract as ``allreduce_async`` for each member; the
+    handle's result is the list of reduced arrays.
+    """
+    return _allreduce("grouped_allreduce", _seq(tensors, "grouped_allreduce"), average, name, op,
+                      prescale_factor, postscale_factor, process_set, False, True)
+
+
+def grouped_allreduce(tensors: Sequence[np.ndarray], average: Optional[bool] = None,
+                      name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> List[np.ndarray]:
+    """Reduce a list of arrays as one group and return the results; blocks."""
+    return grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor,
+                                   process_set).wait()
+
+
+def grouped_allreduce_async_(tensors: Sequence[np.ndarray], average: Optional[bool] = None,
+                             name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> Handle:
+    """Start reducing a list of arrays in place as one group."""
+    return _allreduce("grouped_allreduce_", _seq(tensors, "grouped_allreduce_"), average, name, op,
+                      prescale_factor, postscale_factor, process_set, True, True)
+
+
+def grouped_allreduce_(tensors: Sequence[np.ndarray], average: Optional[bool] = None,
+                       name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> List[np.ndarray]:
+    """Reduce a list of arrays in place as one group; blocks."""
+    return grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                    process_set).wait()
+
+
+def _seq(tensors: Any, fn: str) -> list:
+    if isinstance(tensors, np.ndarray) or not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{fn}: tensors must be a list or tuple of arrays, got {type(tensors).__name__}.")
+    return list(tensors)
+
+
+# allgather --------------------------------------------------------------------------------
+def _gather_like(kind: Kind, fn: str, tensors: Sequence[Any], name, process_set, grouped: bool,
+                 finish: Optional[Callable] = None, **fields) -> Handle:
+    state, view = _process_set(process_set, fn)
+    name = _check_name(name, fn)
+    arrays = [_array(t, fn, f"tensors[{i}]" if grouped else "tensor") for i, t in enumerate(tensors)]
+    for i, a in enumerate(arrays):
+        if a.ndim == 0:
+            raise ValueError(f"{fn}: {'tensors[%d]' % i if grouped else 'tensor'} is 0-d; {kind.value} "
+                             f"works on the first dimension, so pass at least a 1-d array "
+                             f"(e.g. x.reshape(1)).")
+    base = name or _auto_name(f"grouped_{kind.value}" if grouped else kind.value)
+    names = [f"{base}.{i}" for i in range(len(arrays))] if grouped else [base]
+    handle = Handle(base, parts=len(arrays), keep=tensors, finish=finish)
+    group = (_group_id(names), len(names)) if grouped and len(names) > 1 else None
+    entries = [_entry(kind, a, n, view, handle, i, group=group, **fields)
+               for i, (a, n) in enumerate(zip(arrays, names))]
+    if not entries:
+        handle._result = []
+        handle._event.set()
+        return handle
+    _submit(state, entries)
+    return handle
+
+
+def allgather_async(tensor: np.ndarray, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """Start concatenating every rank's ``tensor`` along the first dimension (in rank order).
+
+    The first dimension may differ across ranks; dtype and the other dimensions must match.
+    """
+    return _gather_like(Kind.ALLGATHER, "allgather", [tensor], name, process_set, False)
+
+
+def allgather(tensor: np.ndarray, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> np.ndarray:
+    """Concatenate every rank's ``tensor`` along the first dimension; blocks."""
+    return allgather_async(tensor, name, process_set).wait()
+
+
+def grouped_allgather_async(tensors: Sequence[np.ndarray], name: Optional[str] = None,
+                            process_set: ProcessSet = global_process_set) -> Handle:
+    """Start allgathering a list of arrays as one group; the result is a list."""
+    return _gather_like(Kind.ALLGATHER, "grouped_allgather", _seq(tensors, "grouped_allgather"),
+                        name, process_set, True)
+
+
+def grouped_allgather(tensors: Sequence[np.ndarray], name: Optional[str] = None,
+                      process_set: ProcessSet = global_process_set) -> List[np.ndarray]:
+    """Allgather a list of arrays as one group; blocks."""
+    return grouped_allgather_async(tensors, name, process_set).wait()
+
+
+# broadcast --------------------------------------------------------------------------------
+def _broadcast(fn: str, tensor, root_rank, name, process_set, inplace: bool) -> Handle:
+    state, view = _process_set(process_set, fn)
+    if isinstance(root_rank, bool) or not isinstance(root_rank, numbers.Integral):
+        raise TypeError(f"{fn}: root_rank must be an int, got {type(root_rank).__name__} {root_rank!r}.")
+    root_rank = int(root_rank)
+    if not 0 <= root_rank < view.size:
+        raise ValueError(f"{fn}: root_rank must be in [0, {view.size}) for {process_set!r}, got {root_rank}.")
+    name = _check_name(name, fn) or _auto_name("broadcast")
+    array = _array(tensor, fn)
+    handle = Handle(name, keep=tensor)
+    _submit(state, [_entry(Kind.BROADCAST, array, name, view, handle, 0, inplace, root=root_rank)])
+    return handle
+
+
+def broadcast_async(tensor: np.ndarray, root_rank: int, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """Start copying ``root_rank``'s ``tensor`` to every rank; the result is a new array.
+
+    ``root_rank`` is a rank within ``process_set``. Shape and dtype must match on every rank.
+    """
+    return _broadcast("broadcast", tensor, root_rank, name, process_set, False)
+
+
+def broadcast(tensor: np.ndarray, root_rank: int, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> np.ndarray:
+    """Return ``root_rank``'s ``tensor`` on every rank; blocks."""
+    return broadcast_async(tensor, root_rank, name, process_set).wait()
+
+
+def broadcast_async_(tensor: np.ndarray, root_rank: int, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Handle:
+    """Start overwriting ``tensor`` with ``root_rank``'s values, in place."""
+    return _broadcast("broadcast_", tensor, root_rank, name, process_set, True)
+
+
+def broadcast_(tensor: np.ndarray, root_rank: int, name: Optional[str] = None,
+               process_set: ProcessSet = global_process_set) -> np.ndarray:
+    """Overwrite ``tensor`` with ``root_rank``'s values in place; blocks."""
+    return broadcast_async_(tensor, root_rank, name, process_set).wait()
+
+
+# alltoall ---------------------------------------------------------------------------------
+def alltoall_async(tensor: np.ndarray, splits: Optional[Sequence[int]] = None, name: Optional[str] = None,
+                   process_set: ProcessSet = global_process_set) -> Handle:
+    """Start scattering slices of ``tensor``'s first dimension to every rank and gathering theirs.
+
+    ``splits[i]`` rows go to rank ``i`` (equal splits when None; then the first dimension must
+    divide by the set's size). The handle's result is ``(output, received_splits)``.
+    """
+    fn = "alltoall"
+    state, view = _process_set(process_set, fn)
+    array = _array(tensor, fn)
+    if array.ndim == 0:
+        raise ValueError(f"{fn}: tensor is 0-d; pass at least a 1-d array.")
+    rows = array.shape[0]
+    if splits is None:
+        if rows % view.size:
+            raise ValueError(f"{fn}: tensor's first dimension ({rows}) does not divide by the number of "
+                             f"ranks ({view.size}); pass splits= to send uneven slices.")
+        splits = [rows // view.size] * view.size
+    else:
+        splits = np.asarray(splits).reshape(-1) if not isinstance(splits, (list, tuple)) else list(splits)
+        if any(isinstance(s, bool) or not isinstance(s, numbers.Integral) for s in splits):
+            raise TypeError(f"{fn}: splits must be integers, got {list(splits)!r}.")
+        splits = [int(s) for s in splits]
+        if len(splits) != view.size or any(s < 0 for s in splits) or sum(splits) != rows:
+            raise ValueError(f"{fn}: splits must be {view.size} non-negative integers summing to the first "
+                             f"dimension ({rows}), got {splits!r}.")
+    return _gather_like(Kind.ALLTOALL, fn, [array], name, process_set, False, splits=tuple(splits))
+
+
+def alltoall(tensor: np.ndarray, splits: Optional[Sequence[int]] = None, name: Optional[str] = None,
+             process_set: ProcessSet = global_process_set):
+    """Exchange slices of ``tensor`` with every rank; blocks.
+
+    Returns:
+        The received array; with ``splits`` given, ``(output, received_splits)``.
+    """
+    output, received = alltoall_async(tensor, splits, name, process_set).wait()
+    return output if splits is None else (output, received)
+
+
+# reducescatter ----------------------------------------------------------------------------
+def _reducescatter(fn, tensors, name, op, process_set, prescale_factor, postscale_factor, grouped):
+    op = _op(op, None, fn)
+    pre = _factor(prescale_factor, fn, "prescale_factor")
+    post = _factor(postscale_factor, fn, "postscale_factor")
+    for i, t in enumerate(tensors):
+        _check_reduce(_array(t, fn), op, fn, f"tensors[{i}]" if grouped else "tensor")
+    return _gather_like(Kind.REDUCESCATTER, fn, tensors, name, process_set, grouped, op=int(op),
+                        prescale=pre, postscale=post)
+
+
+def reducescatter_async(tensor: np.ndarray, name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                        process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> Handle:
+    """Start reducing ``tensor`` across ranks and keeping this rank's slice of the first dimension.
+
+    Rows are split as evenly as possible, the first ``rows % size`` ranks getting one more.
+    ``op`` defaults to Average. Shape must match on every rank.
+    """
+    return _reducescatter("reducescatter", [tensor], name, op, process_set, prescale_factor,
+                          postscale_factor, False)
+
+
+def reducescatter(tensor: np.ndarray, name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> np.ndarray:
+    """Reduce ``tensor`` across ranks and return this rank's slice; blocks."""
+    return reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor).wait()
+
+
+def grouped_reducescatter_async(tensors: Sequence[np.ndarray], name: Optional[str] = None,
+                                op: Optional[ReduceOp] = None,
+                                process_set: ProcessSet = global_process_set,
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Start a reducescatter of each array in a list, as one group."""
+    return _reducescatter("grouped_reducescatter", _seq(tensors, "grouped_reducescatter"), name, op,
+                          process_set, prescale_factor, postscale_factor, True)
+
+
+def grouped_reducescatter(tensors: Sequence[np.ndarray], name: Optional[str] = None,
+                          op: Optional[ReduceOp] = None, process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> List[np.ndarray]:
+    """Reducescatter each array in a list, as one group; blocks."""
+    return grouped_reducescatter_async(tensors, name, op, process_set, prescale_factor,
+                                       postscale_factor).wait()
+
+
+# barrier, join, objects -------------------------------------------------------------------
+def _control(kind: Kind, name: str, process_set: ProcessSet, fn: str, extra=None) -> Handle:
+    state, view = _process_set(process_set, fn)
+    handle = Handle(name)
+    request = Request(kind, view.owner.process_set_id, name, "", (), extra=extra)
+    _submit(state, [Entry(request, None, None, handle, 0, time.monotonic())])
+    return handle
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Block until every member of ``process_set`` has called ``barrier``."""
+    _control(Kind.BARRIER, _auto_name("barrier"), process_set, "barrier").wait()
+
+
+def join(device: int = -1) -> int:
+    """Declare that this rank has no more data; return the last rank to join.
+
+    Until every rank has joined, this rank takes part in other ranks' allreduces with zeros
+    (Average still divides by the full size), so ranks with uneven amounts of data can finish
+    their epochs. allgather, broadcast, alltoall and reducescatter raise on every rank while
+    some rank has joined. ``device`` is accepted for Horovod compatibility and ignored.
+    """
+    return _control(Kind.JOIN, "__join__", global_process_set, "join").wait()
+
+
+def _process_set_op(what: str, ps: ProcessSet, state):
+    name = _auto_name(f"__process_set_{what}")
+    if what == "add":
+        state.pending_process_sets[name] = ps
+        handle = _control(Kind.ADD_PROCESS_SET, name, global_process_set, "add_process_set",
+                          extra=tuple(ps.ranks))
+    else:
+        handle = _control(Kind.REMOVE_PROCESS_SET, name, global_process_set, "remove_process_set",
+                          extra=(ps.process_set_id,))
+    return handle.wait()
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Return ``root_rank``'s picklable ``obj`` on every rank (two broadcasts: size, bytes)."""
+    name = _check_name(name, "broadcast_object") or _auto_name("broadcast_object")
+    _, view = _process_set(process_set, "broadcast_object")
+    is_root = view.rank == root_rank
+    data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if is_root else None
+    length = np.array([data.size if is_root else 0], dtype=np.int64)
+    length = broadcast(length, root_rank, f"{name}.size", process_set)
+    buf = data if is_root else np.zeros(int(length[0]), dtype=np.uint8)
+    buf = broadcast(buf, root_rank, f"{name}.data", process_set)
+    return obj if is_root else pickle.loads(buf.tobytes())
+
+
+def allgather_object(obj: Any, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> List[Any]:
+    """Return the list of every rank's picklable ``obj``, in rank order."""
+    name = _check_name(name, "allgather_object") or _auto_name("allgather_object")
+    data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+    sizes = allgather(np.array([data.size], dtype=np.int64), f"{name}.size", process_set)
+    gathered = allgather(data, f"{name}.data", process_set)
+    out, offset = [], 0
+    for n in sizes.tolist():
+        out.append(pickle.loads(gathered[offset:offset + n].tobytes()))
+        offset += n
+    return out

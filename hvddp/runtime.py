@@ -1,0 +1,424 @@
+"""Process state: ``init``/``shutdown``, ranks and sizes, process sets, capability queries."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from typing import Iterable, List, Optional, Sequence, Union
+
+from . import _logging, config as _config
+from .exceptions import BackendUnavailableError, LauncherMismatchError, NotInitializedError
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_built",
+    "mpi_enabled", "nccl_built", "cuda_built", "ProcessSet", "global_process_set",
+    "add_process_set", "remove_process_set",
+]
+
+_lock = threading.RLock()
+
+
+class ProcessSet:
+    """A subset of ranks that can run collectives among themselves.
+
+    Create one with the world ranks it holds, pass it to ``init(process_sets=...)`` or register
+    it later with ``add_process_set`` (on every rank, in the same order), then give it to any
+    collective as ``process_set=``. Ranks passed to ``broadcast``'s ``root_rank`` are ranks within
+    the set.
+
+    Example:
+        evens = hvddp.add_process_set([0, 2])
+        if evens.included():
+            hvddp.allreduce(x, process_set=evens)
+    """
+
+    def __init__(self, ranks: Optional[Iterable[int]] = None) -> None:
+        if ranks is None:
+            self.ranks: Optional[List[int]] = None
+        else:
+            ranks = list(ranks)
+            if not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+                raise TypeError(f"ProcessSet ranks must be ints, got {ranks!r}.")
+            if len(set(ranks)) != len(ranks) or not ranks:
+                raise ValueError(f"ProcessSet ranks must be distinct and non-empty, got {ranks!r}.")
+            self.ranks = sorted(ranks)
+        self.process_set_id: Optional[int] = None
+        self.comm = None
+        self._rank = -1
+
+    def __repr__(self) -> str:
+        return f"ProcessSet(id={self.process_set_id}, ranks={self.ranks})"
+
+    def _require(self) -> None:
+        _state()
+        if self.process_set_id is None:
+            raise ValueError(f"{self!r} is not registered: pass it to init(process_sets=...) or "
+                             f"add_process_set() first.")
+
+    def included(self) -> bool:
+        """Return True if this process is a member."""
+        self._require()
+        return self._rank >= 0
+
+    def rank(self) -> int:
+        """Return this process's rank within the set, or -1 when it is not a member."""
+        self._require()
+        return self._rank
+
+    def size(self) -> int:
+        """Return the number of ranks in the set."""
+        self._require()
+        return len(self.ranks)
+
+    # used by the engine
+    @property
+    def size_(self) -> int:
+        return len(self.ranks)
+
+
+# The engine reads .rank/.size/.comm/.ranks; give it those names without the checks.
+class _Ps:
+    __slots__ = ("ranks", "comm", "rank", "size", "owner")
+
+    def __init__(self, owner: ProcessSet) -> None:
+        self.owner = owner
+        self.ranks = owner.ranks
+        self.comm = owner.comm
+        self.rank = owner._rank
+        self.size = len(owner.ranks)
+
+
+global_process_set = ProcessSet()
+
+
+class _State:
+    def __init__(self) -> None:
+        self.comm = None
+        self.rank = 0
+        self.size = 1
+        self.local_comm = None
+        self.cross_comm = None
+        self.local_rank = 0
+        self.local_size = 1
+        self.cross_rank = 0
+        self.cross_size = 1
+        self.homogeneous = True
+        self.thread_level = 0
+        self.config = None
+        self.engine = None
+        self.process_sets = {}  # id -> _Ps (engine view)
+        self.next_ps_id = 1
+        self.timeline = None
+
+
+_S: Optional[_State] = None
+_atexit_registered = False
+
+
+def _state() -> _State:
+    s = _S
+    if s is None:
+        raise NotInitializedError("hvddp is not initialized: call hvddp.init() first (and not after "
+                                  "hvddp.shutdown()).")
+    return s
+
+
+def _import_mpi():
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            "mpi4py is not importable: `pip install mpi4py mpich` (or build mpi4py against your "
+            f"cluster's MPI). Original error: {exc}") from exc
+    return MPI
+
+
+_LAUNCHER_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "SLURM_STEP_NUM_TASKS")
+
+
+def _check_launcher(world_size: int, MPI) -> None:
+    """Refuse to run N separate size-1 jobs when the launcher started N processes."""
+    if world_size != 1:
+        return
+    for var in _LAUNCHER_VARS:
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 1:
+            if var == "MPI_LOCALNRANKS":
+                continue
+            library = MPI.Get_library_version().splitlines()[0].strip()
+            hint = {
+                "PMI_SIZE": "an MPICH-family mpiexec (hydra)",
+                "OMPI_COMM_WORLD_SIZE": "Open MPI's mpirun",
+                "SLURM_STEP_NUM_TASKS": "srun",
+            }[var]
+            raise LauncherMismatchError(
+                f"the launcher started {value} processes ({var}={value}, set by {hint}), but MPI "
+                f"reports a world of size 1 in each: the launcher does not belong to the MPI "
+                f"library mpi4py loaded ({library}). Launch with that library's own mpiexec "
+                f"(`hvddprun`, or the `mpiexec` next to the Python that has mpi4py), or rebuild "
+                f"mpi4py against the launcher's MPI; for srun, pass the --mpi=pmi2/pmix option "
+                f"your site uses.")
+
+
+def _ps_view(ps: ProcessSet) -> _Ps:
+    return _Ps(ps)
+
+
+def _register(state: _State, ps: ProcessSet, ps_id: int, world) -> None:
+    """Create the communicator of ``ps``: collective over the whole world communicator."""
+    if ps.ranks is None:
+        ps.ranks = list(range(state.size))
+    bad = [r for r in ps.ranks if not 0 <= r < state.size]
+    if bad:
+        raise ValueError(f"ProcessSet ranks {bad} are out of range for world size {state.size}.")
+    group = world.Get_group().Incl(ps.ranks)
+    comm = world.Create(group)
+    group.Free()
+    ps.process_set_id = ps_id
+    ps._rank = ps.ranks.index(state.rank) if state.rank in ps.ranks else -1
+    ps.comm = comm if ps._rank >= 0 else None
+    state.process_sets[ps_id] = _ps_view(ps)
+
+
+def init(comm=None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None:
+    """Initialize hvddp: MPI, the communicators and the background engine.
+
+    Idempotent: a second call while initialized does nothing. Collective: every rank calls it.
+    Without a launcher (``python train.py``) it is a size-1 run.
+
+    Args:
+        comm: an mpi4py communicator to run on, or a list of world ranks to use (the others
+            get a size-1 world of their own); ``MPI.COMM_WORLD`` by default.
+        process_sets: ``ProcessSet`` objects to register now (same list on every rank).
+
+    Raises:
+        LauncherMismatchError: the launcher said N > 1 processes but MPI says size 1.
+        ValueError: an ``HVDDP_*`` variable has a bad value (named in the message).
+    """
+    global _S, _atexit_registered
+    with _lock:
+        if _S is not None:
+            return
+        cfg = _config.from_env()
+        MPI = _import_mpi()
+        world = MPI.COMM_WORLD
+        if comm is None:
+            base = world
+        elif isinstance(comm, (list, tuple)):
+            ranks = list(comm)
+            if world.Get_rank() in ranks:
+                base = world.Create(world.Get_group().Incl(ranks))
+            else:
+                world.Create(MPI.GROUP_EMPTY)
+                base = MPI.COMM_SELF
+        elif isinstance(comm, MPI.Comm):
+            base = comm
+        else:
+            raise TypeError(f"init(comm=...) takes an mpi4py communicator or a list of ranks, "
+                            f"got {type(comm).__name__}.")
+        _check_launcher(world.Get_size(), MPI)
+        state = _State()
+        state.config = cfg
+        state.comm = base.Dup()
+        state.rank = state.comm.Get_rank()
+        state.size = state.comm.Get_size()
+        state.thread_level = MPI.Query_thread()
+        _logging.configure(cfg.log_level, state.rank)
+        if state.thread_level < MPI.THREAD_SERIALIZED and state.size > 1:
+            raise BackendUnavailableError(
+                "MPI was initialized without thread support (need MPI_THREAD_SERIALIZED or better, "
+                "hvddp runs collectives on a background thread). Do not set "
+                "mpi4py.rc.thread_level below 'serialized'.")
+        state.local_comm = state.comm.Split_type(MPI.COMM_TYPE_SHARED, key=state.rank)
+        state.local_rank = state.local_comm.Get_rank()
+        state.local_size = state.local_comm.Get_size()
+        state.cross_comm = state.comm.Split(state.local_rank, state.rank)
+        state.cross_rank = state.cross_comm.Get_rank()
+        state.cross_size = state.cross_comm.Get_size()
+        sizes = state.comm.allgather(state.local_size)
+        state.homogeneous = len(set(sizes)) == 1
+        global_process_set.ranks = None
+        _register(state, global_process_set, 0, state.comm)
+        for ps in process_sets or ():
+            if ps is global_process_set:
+                continue
+            if not isinstance(ps, ProcessSet):
+                raise TypeError(f"init(process_sets=...) takes ProcessSet objects, got {type(ps).__name__}.")
+            _register(state, ps, state.next_ps_id, state.comm)
+            state.next_ps_id += 1
+        from .timeline import Timeline
+        state.timeline = Timeline.from_config(cfg, state.rank)
+        from .engine.loop import Engine
+
+        def make_process_set(kind, request, world_comm):
+            from .engine.messages import Kind
+            if kind is Kind.ADD_PROCESS_SET:
+                ps = request_sets.pop(request.name, None) or ProcessSet(request.extra)
+                _register(state, ps, state.next_ps_id, world_comm)
+                state.next_ps_id += 1
+                return ps
+            ps_id = request.extra[0]
+            view = state.process_sets.pop(ps_id, None)
+            if view is not None:
+                if view.comm is not None:
+                    view.comm.Free()
+                view.owner.process_set_id = None
+                view.owner.comm = None
+                view.owner._rank = -1
+            return None
+
+        request_sets = {}
+        state.pending_process_sets = request_sets
+        state.engine = Engine(state.comm, cfg, state.process_sets, make_process_set, state.timeline)
+        _S = state
+        if not _atexit_registered:
+            atexit.register(shutdown)
+            _atexit_registered = True
+
+
+def shutdown() -> None:
+    """Stop the engine and release the communicators. Idempotent; also runs at exit.
+
+    Pending collectives on every rank fail with ``ShutdownError``.
+    """
+    global _S
+    with _lock:
+        state = _S
+        if state is None:
+            return
+        _S = None
+        try:
+            state.engine.stop()
+        finally:
+            if state.timeline:
+                state.timeline.close()
+            for view in list(state.process_sets.values()):
+                if view.comm is not None and view.owner is not global_process_set:
+                    view.owner.process_set_id = None
+            global_process_set.process_set_id = None
+
+
+def is_initialized() -> bool:
+    """Return True between ``init()`` and ``shutdown()``."""
+    return _S is not None
+
+
+def rank() -> int:
+    """Return this process's rank in the world communicator (0 .. size-1)."""
+    return _state().rank
+
+
+def size() -> int:
+    """Return the number of processes."""
+    return _state().size
+
+
+def local_rank() -> int:
+    """Return this process's rank among the processes on its node."""
+    return _state().local_rank
+
+
+def local_size() -> int:
+    """Return the number of processes on this node."""
+    return _state().local_size
+
+
+def cross_rank() -> int:
+    """Return the rank of this node among the nodes (ranks with the same local rank)."""
+    return _state().cross_rank
+
+
+def cross_size() -> int:
+    """Return the number of nodes (processes with this local rank)."""
+    return _state().cross_size
+
+
+def is_homogeneous() -> bool:
+    """Return True if every node runs the same number of processes."""
+    return _state().homogeneous
+
+
+def mpi_threads_supported() -> bool:
+    """Return True if MPI provides MPI_THREAD_MULTIPLE."""
+    MPI = _import_mpi()
+    return _state().thread_level == MPI.THREAD_MULTIPLE
+
+
+def mpi_built() -> bool:
+    """Return True: the MPI backend (mpi4py) is always part of hvddp."""
+    try:
+        _import_mpi()
+    except BackendUnavailableError:
+        return False
+    return True
+
+
+def mpi_enabled() -> bool:
+    """Return True when collectives run over MPI (always, once initialized)."""
+    return mpi_built()
+
+
+def cuda_built() -> bool:
+    """Return True if CuPy is importable and sees a CUDA device."""
+    try:
+        import importlib.util
+
+        if importlib.util.find_spec("cupy") is None:
+            return False
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def nccl_built() -> bool:
+    """Return True if CuPy's NCCL binding is available."""
+    if not cuda_built():
+        return False
+    try:
+        from cupy.cuda import nccl
+
+        return bool(nccl.available) if hasattr(nccl, "available") else True
+    except Exception:
+        return False
+
+
+def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
+    """Register a process set after ``init()``. Every rank must call it, in the same order.
+
+    Args:
+        process_set: a ``ProcessSet`` or a list of world ranks.
+
+    Returns:
+        The registered ``ProcessSet``.
+
+    Raises:
+        MismatchError: ranks passed different rank lists.
+    """
+    from . import ops
+
+    state = _state()
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    if ps.ranks is None:
+        raise ValueError("add_process_set() needs explicit ranks; the global set always exists.")
+    if ps.process_set_id is not None:
+        raise ValueError(f"{ps!r} is already registered.")
+    bad = [r for r in ps.ranks if not 0 <= r < state.size]
+    if bad:
+        raise ValueError(f"add_process_set: ranks {bad} are out of range for world size {state.size}.")
+    return ops._process_set_op("add", ps, state)
+
+
+def remove_process_set(process_set: ProcessSet) -> None:
+    """Unregister a process set and free its communicator. Every rank calls it."""
+    from . import ops
+
+    state = _state()
+    if process_set is global_process_set:
+        raise ValueError("the global process set cannot be removed.")
+    if not isinstance(process_set, ProcessSet) or process_set.process_set_id is None:
+        raise ValueError(f"remove_process_set: {process_set!r} is not a registered process set.")
+    ops._process_set_op("remove", process_set, state)

@@ -1,0 +1,175 @@
+"""A Chrome-trace (JSON array) timeline of every collective, written by rank 0.
+
+Open the file in Perfetto (ui.perfetto.dev) or chrome://tracing. Each tensor is a row named
+``<kind>.<name>`` (``allreduce.grad.fc1.weight``): a ``NEGOTIATE_<KIND>`` span with an instant
+mark per rank as that rank announces it, then the ``<KIND>`` span with its phases
+(``MEMCPY_IN_FUSION_BUFFER``, ``MPI_ALLREDUCE``, ``MEMCPY_OUT_FUSION_BUFFER``). With
+``HVDDP_TIMELINE_MARK_CYCLES=1`` every engine cycle is a ``CYCLE_START`` mark.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Dict, Iterable, Optional
+
+__all__ = ["Timeline", "start_timeline", "stop_timeline"]
+
+
+class Timeline:
+    """Event writer; a no-op (falsy) until a file is open."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._lock = threading.Lock()
+        self._file = None
+        self._t0 = 0.0
+        self._pids: Dict[str, int] = {}
+        self._open_spans: Dict[str, list] = {}  # name -> stack of open span names
+        self.mark_cycles = False
+        self._kinds: Dict[str, str] = {}
+
+    @classmethod
+    def from_config(cls, config, rank: int) -> "Timeline":
+        timeline = cls(rank)
+        if config.timeline and config.timeline.upper() != "DYNAMIC":
+            timeline.start(config.timeline, config.timeline_mark_cycles)
+        return timeline
+
+    def __bool__(self) -> bool:
+        return self._file is not None
+
+    def start(self, path: str, mark_cycles: bool = False) -> None:
+        if self.rank != 0:
+            return
+        with self._lock:
+            if self._file is not None:
+                self._close_locked()
+            directory = os.path.dirname(os.path.abspath(path))
+            os.makedirs(directory, exist_ok=True)
+            self._file = open(path, "w")
+            self._t0 = time.monotonic()
+            self._pids = {}
+            self._open_spans = {}
+            self.mark_cycles = mark_cycles
+            self._file.write("[\n")
+            self._emit({"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "hvddp engine"}})
+            self._emit({"name": "start_time_since_epoch_in_micros", "ph": "M", "pid": 0,
+                        "args": {"value": int(time.time() * 1e6)}})
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_locked()
+
+    def _close_locked(self) -> None:
+        if self._file is None:
+            return
+        for name, stack in self._open_spans.items():
+            while stack:
+                self._event(name, "E", stack.pop())
+        self._file.write('{"name": "trace_end", "ph": "M", "pid": 0, "args": {}}\n]\n')
+        self._file.close()
+        self._file = None
+
+    # ------------------------------------------------------------------------------------
+    def _now(self) -> int:
+        return int((time.monotonic() - self._t0) * 1e6)
+
+    def _emit(self, event: dict) -> None:
+        self._file.write(json.dumps(event) + ",\n")
+
+    def _pid(self, name: str) -> int:
+        pid = self._pids.get(name)
+        if pid is None:
+            pid = self._pids[name] = len(self._pids) + 1
+            label = f"{self._kinds.get(name, 'allreduce')}.{name}"
+            self._emit({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": label}})
+            self._emit({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}})
+        return pid
+
+    def _event(self, name: str, phase: str, what: str, args: Optional[dict] = None) -> None:
+        event = {"name": what, "ph": phase, "ts": self._now(), "pid": self._pid(name), "tid": 0}
+        if phase == "i":
+            event["s"] = "p"
+        if args:
+            event["args"] = args
+        self._emit(event)
+
+    def _locked(fn):  # noqa: N805 - a decorator used inside the class body
+        def wrapper(self, *args):
+            with self._lock:
+                if self._file is not None:
+                    fn(self, *args)
+        wrapper.__name__ = fn.__name__
+        return wrapper
+
+    @_locked
+    def negotiate_start(self, name: str, kind: str) -> None:
+        self._kinds[name] = kind
+        stack = self._open_spans.setdefault(name, [])
+        span = f"NEGOTIATE_{kind.upper()}"
+        if span not in stack:
+            self._event(name, "B", span)
+            stack.append(span)
+
+    @_locked
+    def negotiate_rank_ready(self, name: str, rank: int) -> None:
+        self._event(name, "i", str(rank), {"rank": rank})
+
+    @_locked
+    def negotiate_end(self, name: str) -> None:
+        stack = self._open_spans.get(name)
+        if stack and stack[-1].startswith("NEGOTIATE_"):
+            self._event(name, "E", stack.pop())
+
+    @_locked
+    def activities(self, names: Iterable[str], activity: str) -> None:
+        """Enter ``activity`` for each name (ending its previous one; opening the op span)."""
+        for name in names:
+            stack = self._open_spans.setdefault(name, [])
+            if stack and stack[-1].startswith("NEGOTIATE_"):
+                self._event(name, "E", stack.pop())
+            if not stack:
+                kind = self._kinds.get(name, "allreduce").upper()
+                self._event(name, "B", kind)
+                stack.append(kind)
+            elif len(stack) > 1:
+                self._event(name, "E", stack.pop())
+            self._event(name, "B", activity)
+            stack.append(activity)
+
+    def activity(self, name: str, activity: str) -> None:
+        self.activities((name,), activity)
+
+    @_locked
+    def end(self, names: Iterable[str]) -> None:
+        for name in names:
+            stack = self._open_spans.get(name)
+            while stack:
+                self._event(name, "E", stack.pop())
+
+    @_locked
+    def mark_cycle(self) -> None:
+        self._emit({"name": "CYCLE_START", "ph": "i", "s": "g", "ts": self._now(), "pid": 0, "tid": 0})
+
+
+def _timeline() -> Timeline:
+    from .runtime import _state
+
+    return _state().timeline
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start writing a timeline to ``file_path`` (rank 0 writes; other ranks do nothing).
+
+    Works with ``HVDDP_TIMELINE=DYNAMIC`` or any other setting; a running timeline is closed and
+    a new one started.
+    """
+    _timeline().start(file_path, mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Close the timeline file (valid JSON from then on)."""
+    _timeline().close()

@@ -1,0 +1,82 @@
+"""Launch real multi-rank jobs from pytest: a timeout that kills the whole process group, and
+every rank's output (rank-prefixed) in the failure message."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from typing import Dict, List, Optional, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def mpiexec() -> str:
+    """The mpiexec next to this Python (the mpich wheel's), else the one on PATH."""
+    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.path.exists(local):
+        return local
+    found = shutil.which("mpiexec")
+    if not found:
+        raise RuntimeError("no mpiexec found: pip install mpich")
+    return found
+
+
+def _rank_flag(exe: str) -> List[str]:
+    try:
+        text = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=20).stdout
+    except Exception:
+        return []
+    if "HYDRA" in text.upper():
+        return ["-prepend-rank"]
+    if "Open MPI" in text or "OpenRTE" in text:
+        return ["--tag-output", "--allow-run-as-root", "--oversubscribe"]
+    return []
+
+
+def run(np_: int, args: Sequence[str], timeout: float = 180, env: Optional[Dict[str, str]] = None,
+        python_module_mpi4py: bool = True, check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``python [-m mpi4py] *args`` on ``np_`` ranks; fail with every rank's output.
+
+    Args:
+        np_: number of ranks.
+        args: what follows ``python`` (a script path, or ``-m module ...``).
+        timeout: seconds before the whole process group is killed and the test fails.
+        env: extra environment variables.
+        python_module_mpi4py: run under ``python -m mpi4py`` so an exception on one rank aborts all.
+        check: raise AssertionError on a non-zero exit.
+    """
+    exe = mpiexec()
+    cmd = [exe, "-n", str(np_)] + _rank_flag(exe) + [sys.executable]
+    if python_module_mpi4py:
+        cmd += ["-m", "mpi4py"]
+    cmd += list(args)
+    full_env = dict(os.environ)
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    full_env.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+    full_env["PYTHONUNBUFFERED"] = "1"
+    if env:
+        full_env.update(env)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"TIMEOUT after {timeout} s (killed the process group): {' '.join(cmd)}\n"
+                             f"--- output of every rank ---\n{out}")
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}: {' '.join(cmd)}\n--- output of every rank ---\n{out}")
+    return result
+
+
+def run_pytest(np_: int, test_file: str, timeout: float = 240, env: Optional[Dict[str, str]] = None,
+               extra: Sequence[str] = ()) -> subprocess.CompletedProcess:
+    """Run a pytest module on every rank at once (its tests are collectives)."""
+    return run(np_, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-header",
+                     "-o", "addopts=", test_file, *extra], timeout=timeout, env=env)
