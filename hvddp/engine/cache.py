@@ -61,6 +61,10 @@ class ResponseCache:
         self._requests[slot] = request
         self.version += 1
 
+    def evict_process_set(self, ps_id: int) -> None:
+        for key in [k for k in self._by_name if k[0] == ps_id]:
+            self.evict(key)
+
     def evict(self, key: tuple) -> None:
         sig = self._by_name.pop(key, None)
         if sig is None:

@@ -235,7 +235,7 @@ class Executor:
             return
         for request, entry, _ in batch:
             if entry is not None:
-                entry.complete(entry.output.reshape(request.shape))
+                entry.complete(entry.output)
 
 
 def _post_factor(request: Request, size: int) -> float:
@@ -251,6 +251,8 @@ def _buffers(request: Request, entry: Optional[Entry]):
         zeros = np.zeros(int(np.prod(request.shape, dtype=np.int64)), dtype=_dtype(request.dtype))
         return zeros, zeros
     src = entry.input.reshape(-1)
+    if entry.output is entry.input:  # in place: one buffer, reduced with MPI_IN_PLACE
+        return src, src
     if entry.output is None:
         entry.output = np.empty(request.shape, dtype=src.dtype)
     return src, entry.output.reshape(-1)

@@ -237,8 +237,8 @@ class Engine:
         work = []
         for slot, request in items:
             cache.touch(slot)
-            ps = self.process_sets[request.ps_id]
-            if ps.rank < 0:
+            ps = self.process_sets.get(request.ps_id)
+            if ps is None or ps.rank < 0:
                 continue
             entry = self._pending.pop(request.key())
             work.append((request, entry, None))
@@ -292,6 +292,8 @@ class Engine:
                 continue
             kind = response.kind
             if kind in (Kind.ADD_PROCESS_SET, Kind.REMOVE_PROCESS_SET):
+                if kind is Kind.REMOVE_PROCESS_SET:
+                    self.cache.evict_process_set(response.request.extra[0])
                 result = self._make_process_set(kind, response.request, self.comm)
                 if entry is not None:
                     with self._cv:

@@ -1,0 +1,361 @@
+"""Rank-side tests of the numpy core, run on every rank at once by tests/test_core.py.
+
+Inputs depend on the rank, so each rank computes every other rank's input and asserts the
+exact result. Run directly: mpiexec -n 2 python -m mpi4py -m pytest tests/mpi_core.py
+"""
+
+import threading
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import hvddp
+
+hvddp.init()
+R, N = hvddp.rank(), hvddp.size()
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = ["uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
+
+
+def dt(name):
+    return BF16 if name == "bfloat16" else np.dtype(name)
+
+
+def data(rank, dtype, shape=(7,)):
+    """Small exact values: every op's result is representable in every dtype."""
+    base = (np.arange(int(np.prod(shape))) % 5 + rank + 1).reshape(shape)
+    return base.astype(dt(dtype))
+
+
+def reference(op, dtype, shape=(7,)):
+    stack = np.stack([data(r, dtype, shape).astype(np.float64) for r in range(N)])
+    if op == hvddp.Sum:
+        out = stack.sum(0)
+    elif op == hvddp.Average:
+        out = stack.sum(0) / N
+        if dt(dtype).kind in "iu":
+            out = np.trunc(out)
+    elif op == hvddp.Min:
+        out = stack.min(0)
+    elif op == hvddp.Max:
+        out = stack.max(0)
+    else:
+        out = stack.prod(0)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", [hvddp.Average, hvddp.Sum, hvddp.Min, hvddp.Max, hvddp.Product])
+def test_allreduce_every_op_and_dtype(op, dtype):
+    if op == hvddp.Product and dtype in ("int8", "uint8", "float16", "bfloat16") and N > 2:
+        pytest.skip("product overflows small types beyond 2 ranks")
+    x = data(R, dtype)
+    before = x.copy()
+    out = hvddp.allreduce(x, op=op, name=f"ops.{op!r}.{dtype}")
+    assert out.dtype == x.dtype and out.shape == x.shape
+    np.testing.assert_array_equal(x, before)  # out of place leaves the input alone
+    np.testing.assert_allclose(out.astype(np.float64), reference(op, dtype), rtol=1e-2 if dtype in ("float16", "bfloat16") else 1e-12)
+    y = x.copy()
+    assert hvddp.allreduce_(y, op=op, name=f"ops_.{op!r}.{dtype}") is y
+    np.testing.assert_array_equal(y, out)
+
+
+def test_bool_allreduce_min_max_and_refused_sum():
+    x = np.array([True, R == 0, False, True])
+    assert hvddp.allreduce(x, op=hvddp.Min, name="bool.min").tolist() == [True, N == 1, False, True]
+    assert hvddp.allreduce(x, op=hvddp.Max, name="bool.max").tolist() == [True, True, False, True]
+    with pytest.raises(ValueError, match="bool"):
+        hvddp.allreduce(x, op=hvddp.Sum, name="bool.sum")
+
+
+def test_scale_factors_and_legacy_average():
+    x = np.arange(4, dtype=np.float64) + R
+    out = hvddp.allreduce(x, op=hvddp.Sum, prescale_factor=2.0, postscale_factor=0.5, name="scale")
+    np.testing.assert_allclose(out, sum(np.arange(4) + r for r in range(N)))
+    np.testing.assert_allclose(hvddp.allreduce(x, average=True, name="legacy.avg"),
+                               np.mean([np.arange(4) + r for r in range(N)], 0))
+    np.testing.assert_allclose(hvddp.allreduce(x, average=False, name="legacy.sum"),
+                               np.sum([np.arange(4) + r for r in range(N)], 0))
+    with pytest.raises(ValueError, match="not both"):
+        hvddp.allreduce(x, average=True, op=hvddp.Sum)
+
+
+def test_half_types_reduce_in_float32():
+    # 2049 + 1 is not representable in float16; a float32 sum rounds once at the end.
+    x = np.full(3, 1024 + R, dtype=np.float16)
+    out = hvddp.allreduce(x, op=hvddp.Sum, name="half.exact")
+    assert out.dtype == np.float16
+    np.testing.assert_array_equal(out, np.float16(sum(1024 + r for r in range(N))))
+    b = np.full(3, 0.5 + R, dtype=BF16)
+    np.testing.assert_array_equal(hvddp.allreduce(b, name="bf16.avg").astype(np.float32),
+                                  np.float32(np.mean([0.5 + r for r in range(N)])).astype(BF16).astype(np.float32))
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (5, 3), (2, 3, 4)])
+def test_allreduce_shapes(shape):
+    x = np.full(shape, R + 1, dtype=np.float32)
+    out = hvddp.allreduce(x, op=hvddp.Sum, name=f"shape.{shape}")
+    assert out.shape == shape
+    np.testing.assert_array_equal(out, np.full(shape, N * (N + 1) / 2))
+
+
+def test_non_contiguous_inputs_are_copied_and_in_place_writes_back():
+    base = np.arange(24, dtype=np.float64).reshape(4, 6) + R
+    view = base[:, ::2]
+    out = hvddp.allreduce(view, op=hvddp.Sum, name="noncontig")
+    np.testing.assert_array_equal(out, sum(np.arange(24).reshape(4, 6)[:, ::2] + r for r in range(N)))
+    fortran = np.asfortranarray(np.arange(6, dtype=np.float32).reshape(2, 3) + R)
+    hvddp.allreduce_(fortran, op=hvddp.Sum, name="fortran")
+    np.testing.assert_array_equal(fortran, sum(np.arange(6).reshape(2, 3) + r for r in range(N)))
+    hvddp.allreduce_(view, op=hvddp.Sum, name="noncontig_")
+    np.testing.assert_array_equal(base[:, ::2], out)
+    np.testing.assert_array_equal(base[:, 1::2], np.arange(24).reshape(4, 6)[:, 1::2] + R)
+
+
+def test_large_tensor_split_into_chunks_and_fused_small_ones():
+    big = np.full(3_000_000, R + 1.0, dtype=np.float32)  # 12 MB: several chunks
+    h_big = hvddp.allreduce_async(big, op=hvddp.Sum, name="big")
+    smalls = [hvddp.allreduce_async(np.full(100 + i, R + i, dtype=np.float32 if i % 2 else np.float16),
+                                    name=f"small.{i}") for i in range(64)]
+    np.testing.assert_array_equal(hvddp.synchronize(h_big), np.full(3_000_000, N * (N + 1) / 2))
+    for i, h in enumerate(smalls):
+        out = hvddp.synchronize(h)
+        assert out.shape == (100 + i,)
+        np.testing.assert_allclose(out.astype(np.float64), np.mean([r + i for r in range(N)]), rtol=1e-3)
+
+
+def test_grouped_allreduce():
+    xs = [np.full(3, R, dtype=np.float32), np.full((2, 2), 2 * R, dtype=np.float64)]
+    out = hvddp.grouped_allreduce(xs, op=hvddp.Sum, name="grp")
+    np.testing.assert_array_equal(out[0], np.full(3, sum(range(N))))
+    np.testing.assert_array_equal(out[1], np.full((2, 2), 2 * sum(range(N))))
+    for step in range(3):  # repeated: served from the response cache
+        out = hvddp.grouped_allreduce_(xs, name="grp_")
+    np.testing.assert_allclose(xs[0], np.full(3, (N - 1) / 2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES + ["bool"])
+def test_allgather_uneven_first_dimension(dtype):
+    x = (np.ones((R + 1, 2)) * R).astype(dt(dtype))
+    out = hvddp.allgather(x, name=f"gather.{dtype}")
+    expected = np.concatenate([(np.ones((r + 1, 2)) * r).astype(dt(dtype)) for r in range(N)])
+    assert out.dtype == x.dtype
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_grouped_allgather():
+    out = hvddp.grouped_allgather([np.arange(R + 1), np.full((1, 3), R)], name="ggather")
+    np.testing.assert_array_equal(out[0], np.concatenate([np.arange(r + 1) for r in range(N)]))
+    np.testing.assert_array_equal(out[1], np.array([[r] * 3 for r in range(N)]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES + ["bool"])
+def test_broadcast_from_every_root(dtype):
+    for root in range(N):
+        x = data(R, dtype, (2, 3)) if dtype != "bool" else np.array([R % 2 == 0] * 3)
+        expected = data(root, dtype, (2, 3)) if dtype != "bool" else np.array([root % 2 == 0] * 3)
+        before = x.copy()
+        np.testing.assert_array_equal(hvddp.broadcast(x, root, name=f"bc.{dtype}.{root}"), expected)
+        np.testing.assert_array_equal(x, before)
+        hvddp.broadcast_(x, root, name=f"bc_.{dtype}.{root}")
+        np.testing.assert_array_equal(x, expected)
+
+
+def test_alltoall_equal_and_given_splits():
+    x = np.arange(2 * N) + 100 * R
+    out = hvddp.alltoall(x, name="a2a.equal")
+    np.testing.assert_array_equal(out, np.concatenate([np.arange(2 * R, 2 * R + 2) + 100 * r for r in range(N)]))
+    # rank r sends (d + 1) rows to rank d
+    splits = [d + 1 for d in range(N)]
+    x = np.repeat(np.arange(N), splits)[:, None] * np.ones((1, 2)) + 100 * R
+    out, received = hvddp.alltoall(x, splits=splits, name="a2a.splits")
+    assert received.tolist() == [R + 1] * N
+    np.testing.assert_array_equal(out[:, 0], np.concatenate([[R + 100 * r] * (R + 1) for r in range(N)]))
+
+
+def test_reducescatter_uneven_rows():
+    rows = 2 * N + 1
+    x = np.arange(rows * 2, dtype=np.float32).reshape(rows, 2) + R
+    out = hvddp.reducescatter(x, name="rs")
+    full = np.mean([np.arange(rows * 2).reshape(rows, 2) + r for r in range(N)], 0)
+    counts = [rows // N + (1 if r < rows % N else 0) for r in range(N)]
+    start = sum(counts[:R])
+    np.testing.assert_allclose(out, full[start:start + counts[R]])
+    outs = hvddp.grouped_reducescatter([x, x * 2], op=hvddp.Sum, name="grs")
+    np.testing.assert_allclose(outs[1], 2 * N * full[start:start + counts[R]])
+
+
+def test_poll_is_false_while_a_peer_has_not_submitted():
+    if N == 1:
+        pytest.skip("needs two ranks")
+    if R == 0:
+        h = hvddp.allreduce_async(np.ones(3), name="late")
+        time.sleep(0.2)
+        assert not hvddp.poll(h)
+        hvddp.synchronize(h)
+        assert hvddp.poll(h)
+    else:
+        time.sleep(0.6)
+        hvddp.allreduce(np.ones(3), name="late")
+
+
+def test_rank_dependent_submission_orders():
+    if R == 0:
+        h = hvddp.allreduce_async(np.ones(2), name="order.a")
+        hvddp.barrier()
+        h.wait()
+    else:
+        hvddp.barrier()
+        hvddp.allreduce(np.ones(2), name="order.a")
+    names = [f"order.{i}" for i in range(20)]
+    if R % 2:
+        names.reverse()
+    handles = {n: hvddp.allreduce_async(np.full(2, float(n.split(".")[1]) + R), name=n, op=hvddp.Sum) for n in names}
+    for n, h in handles.items():
+        np.testing.assert_array_equal(h.wait(), np.full(2, N * float(n.split(".")[1]) + sum(range(N))))
+
+
+def test_duplicate_pending_name_is_a_value_error():
+    h = hvddp.allreduce_async(np.ones(2), name="dup")
+    with pytest.raises(ValueError, match="'dup' is already pending"):
+        hvddp.allreduce_async(np.ones(2), name="dup")
+    h.wait()
+    hvddp.allreduce(np.ones(2), name="dup")  # fine once the first finished
+
+
+MISMATCHES = {
+    "shape": lambda: hvddp.allreduce(np.ones(2 + R), name="mm.shape"),
+    "dtype": lambda: hvddp.allreduce(np.ones(2, dtype=np.float32 if R else np.float64), name="mm.dtype"),
+    "op": lambda: hvddp.allreduce(np.ones(2), op=hvddp.Sum if R else hvddp.Max, name="mm.op"),
+    "prescale": lambda: hvddp.allreduce(np.ones(2), prescale_factor=1.0 + R, name="mm.pre"),
+    "postscale": lambda: hvddp.allreduce(np.ones(2), postscale_factor=1.0 + R, name="mm.post"),
+    "root rank": lambda: hvddp.broadcast(np.ones(2), R % 2, name="mm.root"),
+    "trailing shape": lambda: hvddp.allgather(np.ones((1, 1 + R)), name="mm.gather"),
+    "collectives": lambda: (hvddp.allreduce(np.ones(2), name="mm.kind") if R else
+                            hvddp.allgather(np.ones(2), name="mm.kind")),
+}
+
+
+@pytest.mark.parametrize("field", sorted(MISMATCHES))
+def test_mismatch_raises_on_every_rank_naming_field_and_values(field):
+    if N == 1:
+        pytest.skip("needs two ranks")
+    with pytest.raises(hvddp.MismatchError) as info:
+        MISMATCHES[field]()
+    message = str(info.value)
+    assert field in message and "rank 0" in message and "rank 1" in message, message
+    assert isinstance(info.value, RuntimeError)
+    # the engine keeps working
+    np.testing.assert_array_equal(hvddp.allreduce(np.ones(2), name=f"after.{field}", op=hvddp.Sum), np.full(2, N))
+
+
+def test_mismatch_on_a_cached_name_after_many_good_steps():
+    for _ in range(5):
+        hvddp.allreduce(np.ones(4), name="cached.then.bad")
+    if N > 1:
+        with pytest.raises(hvddp.MismatchError, match="shape"):
+            hvddp.allreduce(np.ones(4 + (R == N - 1)), name="cached.then.bad")
+    np.testing.assert_array_equal(hvddp.allreduce(np.ones(4), name="cached.then.bad"), np.ones(4))
+
+
+def test_join_contributes_zeros_and_returns_last_rank():
+    results = []
+    for step in range(R + 1):  # rank r has r + 1 batches
+        results.append(hvddp.allreduce(np.ones(3), name=f"join.step.{step}", op=hvddp.Sum))
+    if R == N - 1:
+        time.sleep(0.3)  # make this rank join last
+    last = hvddp.join()
+    assert last == N - 1
+    for step, out in enumerate(results):
+        ranks_with_data = sum(1 for r in range(N) if r >= step)
+        np.testing.assert_array_equal(out, np.full(3, ranks_with_data))
+
+
+def test_allgather_while_a_rank_has_joined_raises_everywhere():
+    if N == 1:
+        pytest.skip("needs two ranks")
+    if R == 0:
+        assert hvddp.join() in range(N)
+    else:
+        with pytest.raises(hvddp.HvddpError, match="join"):
+            hvddp.allgather(np.ones(2), name="gather.after.join")
+        hvddp.join()
+
+
+def test_process_sets():
+    if N < 2:
+        pytest.skip("needs two ranks")
+    pair = hvddp.add_process_set([0, 1])
+    assert pair.size() == 2 and pair.included() == (R < 2) and pair.rank() == (R if R < 2 else -1)
+    if pair.included():
+        out = hvddp.allreduce(np.full(2, R + 1.0), op=hvddp.Sum, name="ps.sum", process_set=pair)
+        np.testing.assert_array_equal(out, np.full(2, 3.0))
+        np.testing.assert_array_equal(hvddp.broadcast(np.full(1, R), 1, name="ps.bc", process_set=pair), [1])
+    else:
+        with pytest.raises(ValueError, match="not a member"):
+            hvddp.allreduce(np.ones(2), process_set=pair)
+    hvddp.remove_process_set(pair)
+    with pytest.raises(ValueError, match="not registered"):
+        hvddp.allreduce(np.ones(2), process_set=pair)
+
+
+def test_process_set_rank_lists_must_agree():
+    if N < 2:
+        pytest.skip("needs two ranks")
+    with pytest.raises(hvddp.MismatchError, match="ranks"):
+        hvddp.add_process_set([0, 1] if R else [0, N - 1] if N > 2 else [1, 0, 1][:1])
+
+
+def test_objects():
+    obj = {"rank": R, "payload": list(range(R))}
+    assert hvddp.broadcast_object(obj, root_rank=N - 1) == {"rank": N - 1, "payload": list(range(N - 1))}
+    assert hvddp.allgather_object(obj) == [{"rank": r, "payload": list(range(r))} for r in range(N)]
+
+
+def test_runtime_queries():
+    assert 0 <= hvddp.local_rank() < hvddp.local_size() <= N
+    assert hvddp.cross_size() * hvddp.local_size() == N
+    assert hvddp.is_homogeneous()
+    assert hvddp.mpi_built() and hvddp.mpi_enabled()
+    assert hvddp.mpi_threads_supported()
+    assert not hvddp.cuda_built() and not hvddp.nccl_built()
+    assert hvddp.allgather_object(hvddp.rank()) == list(range(N))
+    hvddp.init()  # idempotent
+    assert hvddp.size() == N
+
+
+def test_a_waiting_rank_does_not_spin_its_core():
+    """While rank 1 computes for 1.5 s, rank 0 waits in an allreduce: its CPU time stays small."""
+    if N == 1:
+        pytest.skip("needs two ranks")
+    hvddp.barrier()
+    if R == 0:
+        wall, cpu = time.monotonic(), time.process_time()
+        hvddp.allreduce(np.ones(2), name="idle.wait")
+        wall, cpu = time.monotonic() - wall, time.process_time() - cpu
+        assert wall > 1.2, wall
+        assert cpu < 0.25 * wall, f"rank 0 used {cpu:.2f} s of CPU while waiting {wall:.2f} s"
+    else:
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            pass  # busy compute
+        hvddp.allreduce(np.ones(2), name="idle.wait")
+    # an idle engine costs little too
+    cpu = time.process_time()
+    time.sleep(1.0)
+    assert time.process_time() - cpu < 0.2
+
+
+def test_user_threads_may_submit_concurrently():
+    out = {}
+
+    def worker(i):
+        out[i] = hvddp.allreduce(np.full(3, i + R, dtype=np.float32), op=hvddp.Sum, name=f"thread.{i}")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    for i in range(4):
+        np.testing.assert_array_equal(out[i], np.full(3, N * i + sum(range(N))))

@@ -1,0 +1,89 @@
+"""The numpy core under real mpiexec (2 and 3 ranks), and its single-process behaviour."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mpirun import ROOT, run, run_pytest
+
+
+@pytest.mark.parametrize("np_", [1, 2, 3])
+def test_core_collectives(np_):
+    run_pytest(np_, "tests/mpi_core.py", timeout=300)
+
+
+def _python(code, env=None, timeout=60):
+    full = dict(os.environ)
+    full.update(env or {})
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=full, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_import_hvddp_pulls_no_framework():
+    code = ("import sys, hvddp; bad = [m for m in ('torch', 'tensorflow', 'keras', 'jax', 'cupy') "
+            "if m in sys.modules]; assert not bad, bad; print('clean')")
+    result = _python(code)
+    assert result.returncode == 0 and "clean" in result.stdout, result.stderr
+
+
+def test_calls_before_init_raise_clearly():
+    code = ("import hvddp, numpy as np\n"
+            "for f in (hvddp.rank, hvddp.size, lambda: hvddp.allreduce(np.ones(2))):\n"
+            "    try:\n        f()\n    except hvddp.NotInitializedError as e:\n        print('ERR', e)\n")
+    result = _python(code)
+    assert result.stdout.count("ERR hvddp is not initialized: call hvddp.init() first") == 3, result
+
+
+@pytest.mark.parametrize("var,value", [("HVDDP_FUSION_THRESHOLD", "lots"), ("HOROVOD_CYCLE_TIME", "-1"),
+                                       ("HVDDP_STALL_CHECK_DISABLE", "maybe"), ("HVDDP_LOG_LEVEL", "LOUD")])
+def test_bad_config_value_names_the_variable(var, value):
+    result = _python("import hvddp; hvddp.init()", env={var: value})
+    assert result.returncode != 0
+    assert f"{var}={value!r}" in result.stderr, result.stderr
+
+
+def test_horovod_names_are_aliases():
+    code = "from hvddp import config; c = config.from_env(); print(c.cycle_time_ms, c.fusion_threshold_bytes)"
+    result = _python(code, env={"HOROVOD_CYCLE_TIME": "2.5", "HOROVOD_FUSION_THRESHOLD": "1000",
+                                "HVDDP_FUSION_THRESHOLD": "2000"})
+    assert result.stdout.split() == ["2.5", "2000"], result
+
+
+def test_launcher_mismatch_is_refused():
+    result = _python("import hvddp; hvddp.init()", env={"OMPI_COMM_WORLD_SIZE": "2"})
+    assert result.returncode != 0
+    assert "LauncherMismatchError" in result.stderr and "OMPI_COMM_WORLD_SIZE=2" in result.stderr, result.stderr
+
+
+def test_shutdown_fails_pending_handles_on_every_rank():
+    script = os.path.join(ROOT, "tests", "mpi_core_shutdown.py")
+    out = run(2, [script], timeout=60).stdout
+    assert out.count("pending handle failed: ShutdownError") == 2, out
+
+
+def test_stall_warning_then_error_on_every_rank():
+    script = os.path.join(ROOT, "tests", "mpi_core_stall.py")
+    out = run(2, [script], timeout=60, env={"HVDDP_STALL_CHECK_TIME_SECONDS": "0.5",
+                                            "HVDDP_STALL_SHUTDOWN_TIME_SECONDS": "1.5"}).stdout
+    assert "stalled collectives" in out and "missing on ranks [1]" in out, out
+    assert out.count("StallError: ") == 2, out
+
+
+def test_timeline_is_valid_chrome_trace(tmp_path):
+    path = tmp_path / "timeline.json"
+    run(2, [os.path.join(ROOT, "examples", "numpy_least_squares.py")], timeout=60,
+        env={"HVDDP_TIMELINE": str(path), "HVDDP_TIMELINE_MARK_CYCLES": "1"})
+    events = json.loads(path.read_text())
+    names = {e["name"] for e in events}
+    assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "MPI_ALLREDUCE", "CYCLE_START",
+            "start_time_since_epoch_in_micros"} <= names, names
+    rows = {e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert "allreduce.grad" in rows and "broadcast.w0" in rows, rows
+    marks = [e for e in events if e["ph"] == "i" and e["name"] in ("0", "1")]
+    assert {m["name"] for m in marks} == {"0", "1"}  # a ready mark per rank
+    begins = sum(1 for e in events if e["ph"] == "B")
+    ends = sum(1 for e in events if e["ph"] == "E")
+    assert begins == ends > 0
