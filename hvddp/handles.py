@@ -5,8 +5,6 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, List, Optional
 
-from .exceptions import HvddpError
-
 __all__ = ["Handle", "poll", "synchronize"]
 
 
@@ -17,28 +15,31 @@ class Handle:
     on the engine thread; ``wait()`` raises on the caller's thread any error the engine hit.
     """
 
-    __slots__ = ("name", "_event", "_result", "_error", "_remaining", "_parts", "_lock",
-                 "_keep", "_finish")
+    __slots__ = ("name", "_done", "_gate", "_result", "_error", "_remaining", "_parts", "_keep",
+                 "_finish")
 
     def __init__(self, name: str, parts: int = 1, keep: Any = None,
-                 finish: Optional[Callable[[Any], Any]] = None) -> None:
+                 finish: Optional[Callable[[Any], Any]] = None, grouped: bool = False) -> None:
         self.name = name
-        self._event = threading.Event()
+        self._done = False
+        # A lock held until completion: cheaper to make than an Event, and waiting on it sleeps.
+        self._gate = threading.Lock()
+        self._gate.acquire()
         self._result: Any = None
         self._error: Optional[BaseException] = None
         self._remaining = parts
-        self._parts: List[Any] = [None] * parts
-        self._lock = threading.Lock()
+        # a grouped call's result is a list, even of one element
+        self._parts: Optional[List[Any]] = [None] * parts if parts > 1 or grouped else None
         self._keep = keep  # inputs (and framework tensors) the engine reads or writes
         self._finish = finish
 
     def __repr__(self) -> str:
-        state = "done" if self._event.is_set() else "pending"
+        state = "done" if self._done else "pending"
         return f"<hvddp.Handle {self.name!r} {state}>"
 
     def done(self) -> bool:
         """Return True once the collective has completed (or failed); never blocks."""
-        return self._event.is_set()
+        return self._done
 
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Block until done and return the result.
@@ -50,34 +51,70 @@ class Handle:
             TimeoutError: not done within ``timeout``.
             HvddpError: the collective failed (on every rank alike).
         """
-        if not self._event.wait(timeout):
-            raise TimeoutError(f"collective {self.name!r} did not complete within {timeout} s.")
+        if not self._done:
+            if not self._gate.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
+                raise TimeoutError(f"collective {self.name!r} did not complete within {timeout} s.")
+            self._gate.release()  # let other waiters through
         if self._error is not None:
             raise self._error
         return self._result
 
-    # Engine side -------------------------------------------------------------------------
+    # Engine side (one thread) --------------------------------------------------------------
     def _set_part(self, index: int, value: Any) -> None:
-        with self._lock:
+        if self._done:
+            return
+        if self._parts is not None:
             self._parts[index] = value
             self._remaining -= 1
-            last = self._remaining == 0
-        if last:
-            try:
-                result = self._parts[0] if len(self._parts) == 1 else list(self._parts)
-                self._result = self._finish(result) if self._finish is not None else result
-            except BaseException as exc:  # a failing finisher must not kill the engine
-                self._error = exc
-            self._keep = None
-            self._event.set()
+            if self._remaining:
+                return
+            value = self._parts
+        try:
+            self._result = self._finish(value) if self._finish is not None else value
+        except BaseException as exc:  # a failing finisher must not kill the engine
+            self._error = exc
+        self._release()
 
     def _fail(self, error: BaseException) -> None:
-        with self._lock:
-            if self._event.is_set():
-                return
-            self._error = error
-            self._keep = None
-        self._event.set()
+        if self._done:
+            return
+        self._error = error
+        self._release()
+
+    def _set_now(self, value: Any) -> None:
+        """Complete at once on the calling thread (nothing to communicate)."""
+        self._result = value
+        self._release()
+
+    def _release(self) -> None:
+        self._keep = None
+        self._parts = None
+        self._done = True
+        deferred = _deferred.list
+        if deferred is not None:
+            deferred.append(self._gate)
+        else:
+            self._gate.release()
+
+
+class _Deferred(threading.local):
+    list: Optional[list] = None
+
+
+# While the engine executes a cycle it collects the gates of completed handles here and opens
+# them all at the end: a waiting user thread then wakes once per cycle instead of once per tensor,
+# and does not take the core (ranks are often pinned to one) from the engine mid-cycle.
+_deferred = _Deferred()
+
+
+def defer_wakeups() -> None:
+    _deferred.list = []
+
+
+def wake_deferred() -> None:
+    gates, _deferred.list = _deferred.list, None
+    for gate in gates or ():
+        gate.release()
 
 
 def poll(handle: Handle) -> bool:

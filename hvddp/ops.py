@@ -18,12 +18,16 @@ import pickle
 import time
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+import ml_dtypes
 import numpy as np
 
 from .engine.executor import Entry, HALF_TYPES
 from .engine.messages import Kind, ReduceOp, Request
 from .handles import Handle
+from . import runtime
 from .runtime import ProcessSet, _state, global_process_set
+
+_monotonic = time.monotonic
 
 __all__ = [
     "Average", "Sum", "Min", "Max", "Product", "Adasum", "ReduceOp",
@@ -45,6 +49,9 @@ Adasum = ReduceOp.ADASUM
 
 SUPPORTED_DTYPES = ("uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
                     "float32", "float64", "bool")
+# dtype -> name; numpy's dtype.name is slow enough to matter on the submission path.
+_DTYPE_NAMES = {np.dtype(n): n for n in SUPPORTED_DTYPES if n != "bfloat16"}
+_DTYPE_NAMES[np.dtype(ml_dtypes.bfloat16)] = "bfloat16"
 
 _counters = {}
 
@@ -74,8 +81,8 @@ def _array(tensor: Any, fn: str, arg: str = "tensor") -> np.ndarray:
     else:
         raise TypeError(f"{fn}: {arg} must be a numpy array, got {type(tensor).__name__}. For torch "
                         f"or Keras tensors use hvddp.torch / hvddp.keras; convert lists with np.asarray.")
-    if array.dtype.name not in SUPPORTED_DTYPES:
-        raise TypeError(f"{fn}: {arg} has dtype {array.dtype.name}, which hvddp does not support; "
+    if array.dtype not in _DTYPE_NAMES:
+        raise TypeError(f"{fn}: {arg} has dtype {array.dtype}, which hvddp does not support; "
                         f"supported: {', '.join(SUPPORTED_DTYPES)}. Cast it first (e.g. .astype(np.float32)).")
     return array
 
@@ -111,6 +118,8 @@ def _op(op: Any, average: Any, fn: str, default: ReduceOp = Average) -> ReduceOp
 
 
 def _factor(value: Any, fn: str, arg: str) -> float:
+    if value == 1.0 and type(value) in (float, int):
+        return 1.0
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{fn}: {arg} must be a real number, got {type(value).__name__} {value!r}.")
     value = float(value)
@@ -120,7 +129,7 @@ def _factor(value: Any, fn: str, arg: str) -> float:
 
 
 def _check_reduce(array: np.ndarray, op: ReduceOp, fn: str, arg: str = "tensor") -> None:
-    if array.dtype == np.bool_ and op not in (Min, Max):
+    if array.dtype.kind == "b" and op not in (Min, Max):
         raise ValueError(f"{fn}: {arg} is bool, which reduces only with op=Min (logical and) or "
                          f"op=Max (logical or); got op={op!r}. Cast to an integer dtype to count.")
 
@@ -137,7 +146,8 @@ def _entry(kind: Kind, array: np.ndarray, name: str, view, handle: Handle, index
         output = contiguous
         if contiguous is not array:
             writeback = array
-    request = Request(kind, view.owner.process_set_id, name, array.dtype.name, array.shape, **fields)
+    request = Request(kind, view.owner.process_set_id, name, _DTYPE_NAMES[array.dtype], array.shape,
+                      **fields)
     return Entry(request, contiguous, output, handle, index, time.monotonic(), writeback)
 
 
@@ -154,8 +164,48 @@ def _submit(state, entries: List[Entry]) -> None:
 
 
 # allreduce --------------------------------------------------------------------------------
+def _allreduce_one(tensor: Any, name: Optional[str], process_set: ProcessSet, inplace: bool) -> Optional[Handle]:
+    """The common case (one contiguous numpy array, default op and factors) in few steps.
+
+    Returns None when anything is unusual; the general path then validates and explains.
+    """
+    state = runtime._S
+    if state is None or type(tensor) is not np.ndarray or not (name is None or type(name) is str and name):
+        return None
+    view = state.process_sets.get(process_set.process_set_id)
+    dtype_name = _DTYPE_NAMES.get(tensor.dtype)
+    if view is None or view.rank < 0 or dtype_name is None or dtype_name == "bool" or \
+            not tensor.flags.c_contiguous or (inplace and not tensor.flags.writeable):
+        return None
+    if name is None:  # only now: a counter consumed here must not be consumed again
+        name = _auto_name("allreduce")
+    handle = Handle(name, keep=tensor)
+    request = Request(Kind.ALLREDUCE, process_set.process_set_id, name, dtype_name, tensor.shape, 0)
+    state.engine.submit_one(Entry(request, tensor, tensor if inplace else None, handle, 0, _monotonic()))
+    return handle
+
+
+def _member_names(fn: str, base: Optional[str], names: Optional[Sequence[str]], count: int,
+                  kind: str) -> Tuple[str, List[str]]:
+    """Names of a group's members: ``names`` when given, else ``<base>.<i>``."""
+    if names is not None:
+        if isinstance(names, str) or len(names) != count:
+            raise ValueError(f"{fn}: names must be a list of {count} strings (one per tensor), got {names!r}.")
+        names = [_check_name(n, fn) for n in names]
+        if any(n is None for n in names):
+            raise ValueError(f"{fn}: names must not contain None, got {names!r}.")
+        return base or names[0], names
+    base = base or _auto_name(kind)
+    return base, [f"{base}.{i}" for i in range(count)]
+
+
 def _allreduce(fn: str, tensors: Sequence[Any], average, name, op, prescale_factor, postscale_factor,
-               process_set, inplace: bool, grouped: bool) -> Handle:
+               process_set, inplace: bool, grouped: bool, names: Optional[Sequence[str]] = None) -> Handle:
+    if not grouped and op is None and average is None and prescale_factor == 1.0 and \
+            postscale_factor == 1.0 and type(process_set) is ProcessSet:
+        handle = _allreduce_one(tensors[0], name, process_set, inplace)
+        if handle is not None:
+            return handle
     state, view = _process_set(process_set, fn)
     op = _op(op, average, fn)
     pre = _factor(prescale_factor, fn, "prescale_factor")
@@ -165,17 +215,15 @@ def _allreduce(fn: str, tensors: Sequence[Any], average, name, op, prescale_fact
     for i, a in enumerate(arrays):
         _check_reduce(a, op, fn, f"tensors[{i}]" if grouped else "tensor")
     if grouped:
-        base = name or _auto_name("grouped_allreduce")
-        names = [f"{base}.{i}" for i in range(len(arrays))]
+        base, names = _member_names(fn, name, names, len(arrays), "grouped_allreduce")
     else:
         names = [name or _auto_name("allreduce")]
-    handle = Handle(names[0] if not grouped else base, parts=len(arrays), keep=tensors)
+    handle = Handle(base if grouped else names[0], parts=len(arrays), keep=tensors, grouped=grouped)
     group = (_group_id(names), len(names)) if grouped and len(names) > 1 else None
     entries = [_entry(Kind.ALLREDUCE, a, n, view, handle, i, inplace, op=int(op), prescale=pre,
                       postscale=post, group=group) for i, (a, n) in enumerate(zip(arrays, names))]
     if not entries:
-        handle._result = []
-        handle._event.set()
+        handle._set_now([])
         return handle
     _submit(state, entries)
     return handle
@@ -237,41 +285,46 @@ def allreduce_(tensor: np.ndarray, average: Optional[bool] = None, name: Optiona
 def grouped_allreduce_async(tensors: Sequence[np.ndarray], average: Optional[bool] = None,
                             name: Optional[str] = None, op: Optional[ReduceOp] = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            process_set: ProcessSet = global_process_set) -> Handle:
+                            process_set: ProcessSet = global_process_set,
+                            names: Optional[Sequence[str]] = None) -> Handle:
     """Start reducing a list of arrays as one atomic group (they complete together).
 
-    Members are named ``<name>.<i>``. Same contract as ``allreduce_async`` for each member; the
+    Members are named ``<name>.<i>``, or by ``names`` (one per tensor, e.g. parameter names,
+    which then appear in errors). Same contract as ``allreduce_async`` for each member; the
     handle's result is the list of reduced arrays.
     """
     return _allreduce("grouped_allreduce", _seq(tensors, "grouped_allreduce"), average, name, op,
-                      prescale_factor, postscale_factor, process_set, False, True)
+                      prescale_factor, postscale_factor, process_set, False, True, names)
 
 
 def grouped_allreduce(tensors: Sequence[np.ndarray], average: Optional[bool] = None,
                       name: Optional[str] = None, op: Optional[ReduceOp] = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      process_set: ProcessSet = global_process_set) -> List[np.ndarray]:
+                      process_set: ProcessSet = global_process_set,
+                      names: Optional[Sequence[str]] = None) -> List[np.ndarray]:
     """Reduce a list of arrays as one group and return the results; blocks."""
     return grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor,
-                                   process_set).wait()
+                                   process_set, names).wait()
 
 
 def grouped_allreduce_async_(tensors: Sequence[np.ndarray], average: Optional[bool] = None,
                              name: Optional[str] = None, op: Optional[ReduceOp] = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                             process_set: ProcessSet = global_process_set) -> Handle:
+                             process_set: ProcessSet = global_process_set,
+                             names: Optional[Sequence[str]] = None) -> Handle:
     """Start reducing a list of arrays in place as one group."""
     return _allreduce("grouped_allreduce_", _seq(tensors, "grouped_allreduce_"), average, name, op,
-                      prescale_factor, postscale_factor, process_set, True, True)
+                      prescale_factor, postscale_factor, process_set, True, True, names)
 
 
 def grouped_allreduce_(tensors: Sequence[np.ndarray], average: Optional[bool] = None,
                        name: Optional[str] = None, op: Optional[ReduceOp] = None,
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                       process_set: ProcessSet = global_process_set) -> List[np.ndarray]:
+                       process_set: ProcessSet = global_process_set,
+                       names: Optional[Sequence[str]] = None) -> List[np.ndarray]:
     """Reduce a list of arrays in place as one group; blocks."""
     return grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
-                                    process_set).wait()
+                                    process_set, names).wait()
 
 
 def _seq(tensors: Any, fn: str) -> list:
@@ -293,13 +346,12 @@ def _gather_like(kind: Kind, fn: str, tensors: Sequence[Any], name, process_set,
                              f"(e.g. x.reshape(1)).")
     base = name or _auto_name(f"grouped_{kind.value}" if grouped else kind.value)
     names = [f"{base}.{i}" for i in range(len(arrays))] if grouped else [base]
-    handle = Handle(base, parts=len(arrays), keep=tensors, finish=finish)
+    handle = Handle(base, parts=len(arrays), keep=tensors, finish=finish, grouped=grouped)
     group = (_group_id(names), len(names)) if grouped and len(names) > 1 else None
     entries = [_entry(kind, a, n, view, handle, i, group=group, **fields)
                for i, (a, n) in enumerate(zip(arrays, names))]
     if not entries:
-        handle._result = []
-        handle._event.set()
+        handle._set_now([])
         return handle
     _submit(state, entries)
     return handle

@@ -204,6 +204,9 @@ def init(comm=None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None
         cfg = _config.from_env()
         MPI = _import_mpi()
         world = MPI.COMM_WORLD
+        from . import _faults
+
+        _faults.install(world)  # one rank's uncaught exception ends the job, even without -m mpi4py
         if comm is None:
             base = world
         elif isinstance(comm, (list, tuple)):
@@ -249,7 +252,15 @@ def init(comm=None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None
             _register(state, ps, state.next_ps_id, state.comm)
             state.next_ps_id += 1
         from .timeline import Timeline
-        state.timeline = Timeline.from_config(cfg, state.rank)
+        problem = None
+        try:
+            state.timeline = Timeline.from_config(cfg, state.rank)
+        except OSError as exc:  # rank 0 opens the file; every rank must fail alike
+            problem = (f"environment variable HVDDP_TIMELINE={cfg.timeline!r} is not usable on rank 0: "
+                       f"{exc}. Fix or unset HVDDP_TIMELINE.")
+        problem = state.comm.bcast(problem, root=0)
+        if problem:
+            raise ValueError(problem)
         from .engine.loop import Engine
 
         def make_process_set(kind, request, world_comm):

@@ -36,7 +36,8 @@ _MPI_OPS = {
 
 _BOOL_OPS = {ReduceOp.MIN: MPI.LAND, ReduceOp.MAX: MPI.LOR}
 
-MAX_BACKOFF_S = 0.001
+SPIN_S = 50e-6  # short waits: keep testing, a peer is usually about to arrive
+MAX_BACKOFF_S = 200e-6  # long waits: sleep between tests, at most this long (~5% of a core)
 
 
 def mpi_op(op: int, dtype: str) -> MPI.Op:
@@ -46,13 +47,18 @@ def mpi_op(op: int, dtype: str) -> MPI.Op:
 
 
 def wait(request: MPI.Request, max_backoff_s: float = MAX_BACKOFF_S) -> None:
-    """Complete a nonblocking request without spinning a core: test, then sleep and back off."""
+    """Complete a nonblocking request without spinning a core: test, then sleep and back off.
+
+    MPI progresses only inside MPI calls, so both sides must keep testing; the sleep is capped
+    low because two ranks sleeping in turn would otherwise add their sleeps up.
+    """
     if request.Test():
         return
-    for _ in range(20):  # short waits stay cheap
+    deadline = time.perf_counter() + SPIN_S
+    while time.perf_counter() < deadline:
         if request.Test():
             return
-    delay = 20e-6
+    delay = 10e-6
     while not request.Test():
         time.sleep(delay)
         delay = min(delay * 2, max_backoff_s)

@@ -21,6 +21,7 @@ class ResponseCache:
         self._by_sig: "OrderedDict[tuple, int]" = OrderedDict()
         self._by_name: Dict[tuple, tuple] = {}
         self._requests: Dict[int, Request] = {}
+        self._sigs: Dict[int, tuple] = {}
         self._free = list(range(capacity - 1, -1, -1))
         self.version = 0  # bumped on every change of the slot map
 
@@ -29,6 +30,9 @@ class ResponseCache:
 
     def lookup(self, request: Request) -> Optional[int]:
         return self._by_sig.get(request.signature())
+
+    def lookup_sig(self, sig: tuple) -> Optional[int]:
+        return self._by_sig.get(sig)
 
     def has_name(self, key: tuple) -> bool:
         return key in self._by_name
@@ -40,7 +44,7 @@ class ResponseCache:
         return self._requests.items()
 
     def touch(self, slot: int) -> None:
-        self._by_sig.move_to_end(self._requests[slot].signature())
+        self._by_sig.move_to_end(self._sigs[slot])
 
     def put(self, request: Request) -> None:
         if self.capacity == 0:
@@ -53,12 +57,14 @@ class ResponseCache:
         if not self._free:
             old_sig, slot = self._by_sig.popitem(last=False)
             old = self._requests.pop(slot)
+            del self._sigs[slot]
             del self._by_name[old.key()]
             self._free.append(slot)
         slot = self._free.pop()
         self._by_sig[sig] = slot
         self._by_name[request.key()] = sig
         self._requests[slot] = request
+        self._sigs[slot] = sig
         self.version += 1
 
     def evict_process_set(self, ps_id: int) -> None:
@@ -71,5 +77,6 @@ class ResponseCache:
             return
         slot = self._by_sig.pop(sig)
         del self._requests[slot]
+        del self._sigs[slot]
         self._free.append(slot)
         self.version += 1

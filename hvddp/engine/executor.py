@@ -10,6 +10,8 @@ unpack, which costs twice the bytes on the wire and sums more accurately than ha
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -17,6 +19,7 @@ import numpy as np
 
 from ..exceptions import HvddpError
 from .messages import Kind, ReduceOp, Request
+from .pool import OutputPool
 
 HALF_TYPES = ("float16", "bfloat16")
 
@@ -29,7 +32,7 @@ class Entry:
     """A request this rank submitted, with its buffers and the handle to complete."""
 
     __slots__ = ("request", "input", "output", "writeback", "handle", "index", "submitted",
-                 "state", "slot", "group_keys")
+                 "state", "slot", "group_keys", "sig", "cache_version")
 
     def __init__(self, request: Request, input_: Optional[np.ndarray], output: Optional[np.ndarray],
                  handle, index: int, submitted: float, writeback: Optional[np.ndarray] = None) -> None:
@@ -43,6 +46,8 @@ class Entry:
         self.state = 0
         self.slot = -1
         self.group_keys: Tuple[tuple, ...] = ()
+        self.sig = request.signature()
+        self.cache_version = -1
 
     def complete(self, value) -> None:
         if self.writeback is not None and value is not None:
@@ -70,6 +75,7 @@ class Executor:
         self.process_sets = process_sets  # ps_id -> runtime ProcessSet
         self.timeline = timeline
         self._fusion: Dict[str, np.ndarray] = {}
+        self.pool = OutputPool()
         from ..backends import mpi as mpi_backend  # imports mpi4py.MPI, so only once running
 
         self.mpi = mpi_backend
@@ -83,30 +89,32 @@ class Executor:
 
     # ------------------------------------------------------------------------------------
     def run(self, items: Sequence[Tuple[Request, Optional[Entry], object]]) -> None:
-        """Execute ``(agreed request, local entry or None, info)`` items in a fixed order."""
-        batches: Dict[tuple, List[list]] = {}
-        order: List[tuple] = []
+        """Execute ``(agreed request, local entry or None, info)`` items in a fixed order.
+
+        Allreduces are grouped by fusion key (process set, op, scale factors, wire dtype,
+        device) into batches of at most ``fusion_threshold_bytes``; a tensor at least that large
+        is reduced on its own memory. Other collectives run one by one, before the batches.
+        """
+        batches: Dict[tuple, list] = {}
         threshold = self.config.fusion_threshold_bytes
         for item in items:
             request = item[0]
             if request.kind is not Kind.ALLREDUCE:
                 self._run_one(*item)
                 continue
-            wire = wire_dtype(request.dtype)
-            key = (request.ps_id, request.op, request.prescale, request.postscale, wire,
-                   request.device)
-            nbytes = int(np.prod(request.shape, dtype=np.int64)) * _dtype(wire).itemsize
+            _, _, nbytes, key = _meta(request)
             groups = batches.get(key)
             if groups is None:
                 groups = batches[key] = []
-                order.append(key)
-            if groups and groups[-1][0] + nbytes <= threshold:
+            if nbytes >= threshold:
+                groups.append([nbytes, [item]])
+            elif groups and groups[-1][0] + nbytes <= threshold:
                 groups[-1][0] += nbytes
                 groups[-1][1].append(item)
             else:
                 groups.append([nbytes, [item]])
-        for key in order:
-            for _, batch in batches[key]:
+        for groups in batches.values():
+            for _, batch in groups:
                 self._allreduce_batch(batch)
 
     def _run_one(self, request: Request, entry: Optional[Entry], info) -> None:
@@ -189,7 +197,7 @@ class Executor:
         try:
             if len(batch) == 1 and wire == request0.dtype:
                 request, entry, _ = batch[0]
-                src, dst = _buffers(request, entry)
+                src, dst = _buffers(request, entry, self.pool)
                 if tl:
                     tl.activity(request.name, "MPI_ALLREDUCE")
                 if pre != 1.0:
@@ -202,7 +210,7 @@ class Executor:
                 if post != 1.0:
                     _scaled_copy(dst, dst, post)
             else:
-                sizes = [int(np.prod(item[0].shape, dtype=np.int64)) for item in batch]
+                sizes = [_meta(item[0])[0] for item in batch]
                 buf = self._fusion_buffer(wire, sum(sizes))
                 if tl:
                     tl.activities([item[0].name for item in batch], "MEMCPY_IN_FUSION_BUFFER")
@@ -225,7 +233,7 @@ class Executor:
                     if entry is None:
                         continue
                     if entry.output is None:
-                        entry.output = np.empty(request.shape, dtype=_dtype(request.dtype))
+                        entry.output = self.pool.empty(request.shape, _dtype(request.dtype))
                     _scaled_copy(entry.output.reshape(-1), view, post)
         except Exception as exc:
             error = HvddpError(f"allreduce of {[item[0].name for item in batch]} failed: {exc}")
@@ -238,6 +246,19 @@ class Executor:
                 entry.complete(entry.output)
 
 
+_ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "float16": 2,
+             "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+@functools.lru_cache(maxsize=16384)
+def _meta(request: Request) -> tuple:
+    """(elements, wire dtype, wire bytes, fusion key) of an allreduce request; memoized."""
+    numel = math.prod(request.shape)
+    wire = wire_dtype(request.dtype)
+    key = (request.ps_id, request.op, request.prescale, request.postscale, wire, request.device)
+    return numel, wire, numel * _ITEMSIZE[wire], key
+
+
 def _post_factor(request: Request, size: int) -> float:
     factor = request.postscale
     if request.op == ReduceOp.AVERAGE:
@@ -245,7 +266,7 @@ def _post_factor(request: Request, size: int) -> float:
     return factor
 
 
-def _buffers(request: Request, entry: Optional[Entry]):
+def _buffers(request: Request, entry: Optional[Entry], pool: OutputPool):
     """Source and destination of a direct (unfused) reduction."""
     if entry is None:  # a joined rank contributes zeros
         zeros = np.zeros(int(np.prod(request.shape, dtype=np.int64)), dtype=_dtype(request.dtype))
@@ -254,7 +275,7 @@ def _buffers(request: Request, entry: Optional[Entry]):
     if entry.output is entry.input:  # in place: one buffer, reduced with MPI_IN_PLACE
         return src, src
     if entry.output is None:
-        entry.output = np.empty(request.shape, dtype=src.dtype)
+        entry.output = pool.empty(request.shape, src.dtype)
     return src, entry.output.reshape(-1)
 
 

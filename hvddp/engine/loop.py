@@ -28,6 +28,7 @@ from ..exceptions import HvddpError, MismatchError, ShutdownError, StallError
 from .cache import ResponseCache
 from .coordinator import Coordinator, Decision
 from .executor import Entry, Executor
+from ..handles import defer_wakeups, wake_deferred
 from .messages import Kind, Request
 
 log = logging.getLogger("hvddp")
@@ -36,6 +37,7 @@ NEW, BIT, UNSENT, SENT = 0, 1, 2, 3
 FLAG_NO_UNSENT = 0x01
 FLAG_NOT_SHUTDOWN = 0x02
 IDLE_WAIT_S = 0.05
+
 
 
 class Engine:
@@ -90,6 +92,19 @@ class Engine:
             self._names.update(keys)
             self._queue.extend(entries)
             self._cv.notify()
+
+    def submit_one(self, entry: Entry) -> None:
+        """``submit([entry])`` without the list: the per-gradient hot path."""
+        key = entry.request.key()
+        with self._cv:
+            if self._error is not None or key in self._names:
+                pass  # the general path raises the right error
+            else:
+                self._names.add(key)
+                self._queue.append(entry)
+                self._cv.notify()
+                return
+        self.submit([entry])
 
     def stop(self) -> None:
         """Ask every rank's engine to stop (collectively) and wait for this one to end."""
@@ -169,39 +184,56 @@ class Engine:
                 for _, entry, _ in work:
                     if entry is not None:
                         self._names.discard(entry.request.key())
-            self.executor.run(work)
+            defer_wakeups()
+            try:
+                self.executor.run(work)
+            finally:
+                wake_deferred()
         return True
 
     def _classify(self, now: float) -> List[Entry]:
         """Decide per pending entry: announce by cache bit, or send to rank 0 (once)."""
         unsent = []
         cache = self.cache
+        version = cache.version
         use_cache = cache.capacity > 0 and not self._join_mode
-        for entry in self._pending.values():
-            if entry.state in (SENT, UNSENT):
-                if entry.state == UNSENT:
-                    unsent.append(entry)
+        demote_before = now - self._demote_s
+        pending = self._pending
+        for entry in pending.values():
+            state = entry.state
+            if state == SENT:
                 continue
+            if state == UNSENT:
+                unsent.append(entry)
+                continue
+            if state == BIT and entry.cache_version == version and entry.submitted > demote_before \
+                    and use_cache:
+                continue  # still announced by the same slot
             slot = None
-            if use_cache and entry.request.kind is Kind.ALLREDUCE and now - entry.submitted < self._demote_s:
-                slot = cache.lookup(entry.request)
+            if use_cache and entry.request.kind is Kind.ALLREDUCE and entry.submitted > demote_before:
+                slot = cache.lookup_sig(entry.sig)
                 if slot is not None and entry.group_keys:
                     for key in entry.group_keys:
-                        sibling = self._pending.get(key)
-                        if sibling is None or sibling.state in (SENT, UNSENT) or cache.lookup(sibling.request) is None:
+                        sibling = pending.get(key)
+                        if sibling is None or sibling.state in (SENT, UNSENT) or \
+                                cache.lookup_sig(sibling.sig) is None:
                             slot = None
                             break
             if slot is None:
                 entry.state = UNSENT
                 unsent.append(entry)
                 for key in entry.group_keys:  # a group travels one way
-                    sibling = self._pending.get(key)
+                    sibling = pending.get(key)
                     if sibling is not None and sibling.state in (NEW, BIT):
                         sibling.state = UNSENT
                         unsent.append(sibling)
             else:
+                if entry.state == NEW and self.timeline:
+                    self.timeline.negotiate_start(entry.request.name, entry.request.kind.value)
+                    self.timeline.negotiate_rank_ready(entry.request.name, self.rank)
                 entry.state = BIT
                 entry.slot = slot
+                entry.cache_version = version
         return unsent
 
     def _refresh_nonmember(self) -> None:

@@ -1,0 +1,50 @@
+"""Reuse of result arrays: freshly allocated memory costs page faults on every step.
+
+Out-of-place collectives return new arrays. Allocating them anew each step makes the kernel
+zero and map fresh pages (glibc hands large freed blocks back to the system), which on this
+kind of machine costs more than the reduction itself (20 MB of 100 KiB results: ~9 ms of
+faults against ~5 ms of MPI). The pool keeps the arrays it handed out and gives one back again
+once nothing but the pool refers to it, which ``sys.getrefcount`` tells exactly: any view a
+caller kept (numpy's, or a framework tensor made with ``from_numpy``) holds a reference.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import deque
+from typing import Deque, Dict, Tuple
+
+import numpy as np
+
+_PER_KEY = 4
+MAX_POOLED_BYTES = 1 << 30
+
+
+class OutputPool:
+    """``empty(shape, dtype)`` that recycles arrays no one else references any more."""
+
+    def __init__(self, max_bytes: int = MAX_POOLED_BYTES) -> None:
+        self._free: Dict[Tuple[tuple, np.dtype], Deque[np.ndarray]] = {}
+        self._bytes = 0
+        self.max_bytes = max_bytes
+
+    def empty(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
+        key = (shape, dtype)
+        arrays = self._free.get(key)
+        if arrays is None:
+            arrays = self._free[key] = deque()
+        for _ in range(len(arrays)):
+            candidate = arrays[0]
+            arrays.rotate(-1)
+            # references: the deque, the local name, getrefcount's argument
+            if sys.getrefcount(candidate) == 3:
+                return candidate
+        out = np.empty(shape, dtype=dtype)
+        if len(arrays) < _PER_KEY and self._bytes + out.nbytes <= self.max_bytes:
+            arrays.append(out)
+            self._bytes += out.nbytes
+        return out
+
+    def clear(self) -> None:
+        self._free.clear()
+        self._bytes = 0

