@@ -21,7 +21,7 @@ _LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 class Config:
     """Engine settings; see README's table of environment variables."""
 
-    fusion_threshold_bytes: int = 64 * _MIB
+    fusion_threshold_bytes: int = 1 * _MIB
     mpi_chunk_bytes: int = 4 * _MIB
     cycle_time_ms: float = 1.0
     cache_capacity: int = 1024

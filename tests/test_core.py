@@ -87,3 +87,9 @@ def test_timeline_is_valid_chrome_trace(tmp_path):
     begins = sum(1 for e in events if e["ph"] == "B")
     ends = sum(1 for e in events if e["ph"] == "E")
     assert begins == ends > 0
+
+
+def test_init_variants_and_dynamic_timeline(tmp_path):
+    out = run(3, [os.path.join(ROOT, "tests", "mpi_core_init.py"), str(tmp_path)], timeout=90,
+              env={"HVDDP_TIMELINE": "DYNAMIC"}).stdout
+    assert out.count("init variants ok") == 3, out

@@ -118,6 +118,9 @@ class Executor:
                 self._allreduce_batch(batch)
 
     def _run_one(self, request: Request, entry: Optional[Entry], info) -> None:
+        tl = self.timeline
+        if tl:
+            tl.activity(request.name, f"MPI_{request.kind.value.upper()}")
         try:
             result = self._dispatch(request, entry, info)
         except Exception as exc:  # reported on the caller's thread; the engine goes on
@@ -125,6 +128,9 @@ class Executor:
                 entry.fail(exc if isinstance(exc, HvddpError) else
                            HvddpError(f"{request.kind.value} {request.name!r} failed: {exc}"))
             return
+        finally:
+            if tl:
+                tl.end((request.name,))
         if entry is not None:
             entry.complete(result)
 
@@ -241,6 +247,8 @@ class Executor:
                 if entry is not None:
                     entry.fail(error)
             return
+        if tl:
+            tl.end([item[0].name for item in batch])
         for request, entry, _ in batch:
             if entry is not None:
                 entry.complete(entry.output)

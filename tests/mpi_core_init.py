@@ -1,0 +1,43 @@
+"""init() variants under 3 ranks: a sub-world from a rank list, process sets at init, DYNAMIC timeline."""
+import json
+import os
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+import hvddp
+
+world = MPI.COMM_WORLD.Get_rank()
+out_dir = sys.argv[1]
+
+# 1. init(comm=[0, 1]): ranks 0 and 1 form a 2-rank world, rank 2 runs alone.
+hvddp.init(comm=[0, 1])
+assert hvddp.size() == (2 if world < 2 else 1), hvddp.size()
+total = hvddp.allreduce(np.array([world + 1.0]), op=hvddp.Sum, name="sub")
+assert total[0] == (3.0 if world < 2 else 3.0), total  # ranks 0+1 -> 1+2; rank 2 alone -> 3
+hvddp.shutdown()
+assert not hvddp.is_initialized()
+
+# 2. re-init on the whole world with process sets given at init
+evens = hvddp.ProcessSet([0, 2])
+hvddp.init(process_sets=[evens])
+assert hvddp.size() == 3 and evens.size() == 2
+if evens.included():
+    out = hvddp.allreduce(np.array([float(world)]), op=hvddp.Sum, name="evens", process_set=evens)
+    assert out[0] == 2.0, out
+    assert evens.rank() == world // 2
+
+# 3. a DYNAMIC timeline started and stopped at run time (rank 0 writes)
+path = os.path.join(out_dir, "dynamic.json")
+hvddp.start_timeline(path, mark_cycles=True)
+for _ in range(3):
+    hvddp.allreduce(np.ones(8), name="traced")
+hvddp.stop_timeline()
+hvddp.allreduce(np.ones(8), name="untraced")
+if world == 0:
+    events = json.load(open(path))
+    rows = {e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert "allreduce.traced" in rows and "allreduce.untraced" not in rows, rows
+print(f"rank {world} init variants ok", flush=True)
+hvddp.shutdown()
