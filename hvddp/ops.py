@@ -21,6 +21,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import ml_dtypes
 import numpy as np
 
+from .backends import device as _device  # protocol checks only; imports no CuPy
 from .engine.executor import Entry, HALF_TYPES
 from .engine.messages import Kind, ReduceOp, Request
 from .handles import Handle
@@ -74,7 +75,16 @@ def _check_name(name: Any, fn: str) -> Optional[str]:
 
 
 def _array(tensor: Any, fn: str, arg: str = "tensor") -> np.ndarray:
-    if isinstance(tensor, np.ndarray):
+    if type(tensor) is np.ndarray:
+        array = tensor
+    elif isinstance(tensor, _device.DeviceInput):  # checked already (alltoall, reducescatter)
+        return tensor
+    elif _device.is_device_array(tensor) or isinstance(tensor, _device.Labeled):
+        try:  # a CUDA tensor (CuPy, or torch/JAX/... through DLPack): viewed, not copied
+            return _device.describe(tensor)
+        except TypeError as exc:
+            raise TypeError(f"{fn}: {arg}: {exc}") from None
+    elif isinstance(tensor, np.ndarray):
         array = tensor
     elif isinstance(tensor, (np.generic, numbers.Number)) and not isinstance(tensor, (str, bytes)):
         array = np.asarray(tensor)
@@ -136,6 +146,8 @@ def _check_reduce(array: np.ndarray, op: ReduceOp, fn: str, arg: str = "tensor")
 
 def _entry(kind: Kind, array: np.ndarray, name: str, view, handle: Handle, index: int,
            inplace: bool = False, **fields) -> Entry:
+    if isinstance(array, _device.DeviceInput):
+        return _device_entry(kind, array, name, view, handle, index, inplace, **fields)
     contiguous = array if array.flags.c_contiguous else np.ascontiguousarray(array)
     writeback = None
     output = None
@@ -149,6 +161,25 @@ def _entry(kind: Kind, array: np.ndarray, name: str, view, handle: Handle, index
     request = Request(kind, view.owner.process_set_id, name, _DTYPE_NAMES[array.dtype], array.shape,
                       **fields)
     return Entry(request, contiguous, output, handle, index, time.monotonic(), writeback)
+
+
+def _device_entry(kind: Kind, dev, name: str, view, handle: Handle, index: int, inplace: bool,
+                  **fields) -> Entry:
+    """The entry of a device tensor: contiguous on the device, ready after its producer's work."""
+    array = dev.array
+    contiguous = array if array.flags.c_contiguous else _device.import_cupy().ascontiguousarray(array)
+    output = writeback = None
+    if inplace:
+        output = contiguous
+        if contiguous is not array:
+            writeback = array
+    request = Request(kind, view.owner.process_set_id, name, dev.dtype_name, tuple(array.shape),
+                      device=_device.DEVICE_KIND, **fields)
+    entry = Entry(request, contiguous, output, handle, index, time.monotonic(), writeback)
+    # recorded on CuPy's current stream: after the producer's writes (DLPack orders the producer's
+    # stream before it) and after the contiguous copy, if one was made
+    entry.ready = _device.ready_event(contiguous)
+    return entry
 
 
 def _group_id(names: Sequence[str]) -> str:

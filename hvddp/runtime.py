@@ -372,29 +372,17 @@ def mpi_enabled() -> bool:
 
 
 def cuda_built() -> bool:
-    """Return True if CuPy is importable and sees a CUDA device."""
-    try:
-        import importlib.util
+    """Return True if CuPy is importable and sees a CUDA device (cached; imports CuPy once)."""
+    from .backends.device import cuda_built as _cuda_built
 
-        if importlib.util.find_spec("cupy") is None:
-            return False
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
+    return _cuda_built()
 
 
 def nccl_built() -> bool:
-    """Return True if CuPy's NCCL binding is available."""
-    if not cuda_built():
-        return False
-    try:
-        from cupy.cuda import nccl
+    """Return True if CuPy's NCCL binding loads and a CUDA device is visible."""
+    from .backends.device import nccl_built as _nccl_built
 
-        return bool(nccl.available) if hasattr(nccl, "available") else True
-    except Exception:
-        return False
+    return _nccl_built()
 
 
 def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:

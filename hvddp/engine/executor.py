@@ -32,7 +32,7 @@ class Entry:
     """A request this rank submitted, with its buffers and the handle to complete."""
 
     __slots__ = ("request", "input", "output", "writeback", "handle", "index", "submitted",
-                 "state", "slot", "group_keys", "sig", "cache_version")
+                 "state", "slot", "group_keys", "sig", "cache_version", "ready")
 
     def __init__(self, request: Request, input_: Optional[np.ndarray], output: Optional[np.ndarray],
                  handle, index: int, submitted: float, writeback: Optional[np.ndarray] = None) -> None:
@@ -48,6 +48,7 @@ class Entry:
         self.group_keys: Tuple[tuple, ...] = ()
         self.sig = request.signature()
         self.cache_version = -1
+        self.ready = None  # device inputs: the event after which the producer's writes are done
 
     def complete(self, value) -> None:
         if self.writeback is not None and value is not None:
@@ -79,6 +80,24 @@ class Executor:
         from ..backends import mpi as mpi_backend  # imports mpi4py.MPI, so only once running
 
         self.mpi = mpi_backend
+        self.gpu = None  # the GpuExecutor, made on the first device item
+
+    def _gpu(self):
+        if self.gpu is None:
+            from ..backends.gpu import GpuExecutor  # imports CuPy
+
+            self.gpu = GpuExecutor(self.config, self.process_sets, cpu_executor=self,
+                                   timeline=self.timeline)
+        return self.gpu
+
+    def forget_process_set(self, ps_id: int) -> None:
+        if self.gpu is not None:
+            self.gpu.forget_process_set(ps_id)
+
+    def close(self) -> None:
+        """Finish device work in flight and release NCCL communicators (engine thread, at exit)."""
+        if self.gpu is not None:
+            self.gpu.close()
 
     def _fusion_buffer(self, dtype: str, count: int) -> np.ndarray:
         buf = self._fusion.get(dtype)
@@ -100,7 +119,10 @@ class Executor:
         for item in items:
             request = item[0]
             if request.kind is not Kind.ALLREDUCE:
-                self._run_one(*item)
+                if request.device == "cpu" or request.kind in (Kind.BARRIER, Kind.JOIN):
+                    self._run_one(*item)
+                else:
+                    self._device_one(*item)
                 continue
             _, _, nbytes, key = _meta(request)
             groups = batches.get(key)
@@ -115,7 +137,34 @@ class Executor:
                 groups.append([nbytes, [item]])
         for groups in batches.values():
             for _, batch in groups:
-                self._allreduce_batch(batch)
+                if batch[0][0].device == "cpu":
+                    self._allreduce_batch(batch)
+                else:
+                    self._device_batch(batch)
+        if self.gpu is not None:
+            self.gpu.flush()  # complete the cycle's device handles once hvddp's stream passed them
+
+    def _device_one(self, request: Request, entry: Optional[Entry], info) -> None:
+        try:
+            gpu = self._gpu()
+        except Exception as exc:
+            if entry is not None:
+                entry.fail(exc if isinstance(exc, HvddpError) else HvddpError(
+                    f"{request.kind.value} {request.name!r}: the GPU path is unavailable: {exc}"))
+            return
+        gpu.run_one(request, entry, info)
+
+    def _device_batch(self, batch: list) -> None:
+        try:
+            gpu = self._gpu()
+        except Exception as exc:
+            error = exc if isinstance(exc, HvddpError) else HvddpError(
+                f"allreduce of {[item[0].name for item in batch]}: the GPU path is unavailable: {exc}")
+            for _, entry, _ in batch:
+                if entry is not None:
+                    entry.fail(error)
+            return
+        gpu.allreduce_batch(batch)
 
     def _run_one(self, request: Request, entry: Optional[Entry], info) -> None:
         tl = self.timeline

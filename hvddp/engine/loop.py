@@ -138,6 +138,11 @@ class Engine:
         except BaseException as exc:  # never die silently: fail every waiting handle
             log.exception("hvddp engine failed on rank %d", self.rank)
             self._stop_with(HvddpError(f"hvddp engine failed on rank {self.rank}: {exc!r}"))
+        finally:
+            try:
+                self.executor.close()  # device work in flight, NCCL communicators
+            except Exception:
+                log.exception("hvddp: releasing the GPU path failed on rank %d", self.rank)
 
     def _cycle(self, now: float) -> bool:
         with self._cv:
@@ -326,6 +331,7 @@ class Engine:
             if kind in (Kind.ADD_PROCESS_SET, Kind.REMOVE_PROCESS_SET):
                 if kind is Kind.REMOVE_PROCESS_SET:
                     self.cache.evict_process_set(response.request.extra[0])
+                    self.executor.forget_process_set(response.request.extra[0])
                 result = self._make_process_set(kind, response.request, self.comm)
                 if entry is not None:
                     with self._cv:

@@ -1,0 +1,107 @@
+"""Worker for test_gpu.py: hvddp's public collectives on device arrays, through the real engine.
+
+Device arrays are tests/fake_cupy.py's (host memory, g++-compiled kernels, NCCL over MPI).
+Prints ``NOT WIRED`` and exits 0 while ``hvddp.ops`` does not yet route device arrays to the
+GPU executor; the test then skips.
+
+    HVDDP_FAKE_KERNELS=/path/kernels.so mpiexec -n 2 python -m mpi4py tests/mpi_gpu_wired.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import fake_cupy  # noqa: E402
+
+cupy = fake_cupy.install(os.environ["HVDDP_FAKE_KERNELS"])
+
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+
+import hvddp  # noqa: E402
+from hvddp.backends import device  # noqa: E402
+
+
+def dev(a):
+    return cupy.asarray(a)
+
+
+def main() -> int:
+    hvddp.init()
+    rank, size = hvddp.rank(), hvddp.size()
+    x = dev(np.arange(6, dtype=np.float32) + 100 * rank)
+    out = hvddp.allreduce(x, name="wired.probe", op=hvddp.Sum)
+    if not isinstance(out, cupy.ndarray):  # the stand-in is a numpy subclass: the CPU path took it
+        if rank == 0:
+            print("NOT WIRED: hvddp.ops does not route device arrays to the GPU executor yet", flush=True)
+        hvddp.shutdown()
+        return 0
+    expect = sum(np.arange(6, dtype=np.float32) + 100 * r for r in range(size))
+    assert isinstance(out, cupy.ndarray) and out is not x, type(out)
+    assert np.array_equal(np.asarray(out), expect), out
+
+    # Average of every dtype, fused in one cycle (async, then wait), a bfloat16 one by label
+    handles = []
+    for i, dt in enumerate(("float32", "float64", "float16", "int32", "int64", "uint8", "int16")):
+        a = dev((np.arange(10) + 3 * rank + i).astype(dt))
+        handles.append((dt, hvddp.allreduce_async(a, name=f"wired.avg.{dt}")))
+    bits = dev((np.arange(8, dtype=np.float32) + rank).astype(ml_dtypes.bfloat16).view(np.int16))
+    hb = hvddp.allreduce_async(device.Labeled(bits, "bfloat16"), name="wired.avg.bf16")
+    for dt, h in handles:
+        got = np.asarray(h.wait())
+        want = np.mean([(np.arange(10) + 3 * r + [*("float32", "float64", "float16", "int32", "int64",
+                                                      "uint8", "int16")].index(dt)).astype(np.float64)
+                        for r in range(size)], axis=0)
+        if dt.startswith("float"):
+            assert np.allclose(got.astype(np.float64), want, rtol=1e-3), (dt, got, want)
+        else:
+            assert np.array_equal(got, np.trunc(want).astype(dt)), (dt, got, want)
+    got = np.asarray(hb.wait()).view(ml_dtypes.bfloat16).astype(np.float32)
+    assert np.allclose(got, np.arange(8) + (size - 1) / 2, rtol=1e-2), got
+
+    # in place, non-contiguous: written back into the caller's strided view
+    base = dev(np.zeros((4, 6), dtype=np.float32) + rank + 1)
+    view = base[:, ::2]
+    res = hvddp.allreduce_(view, name="wired.inplace.strided", op=hvddp.Sum)
+    assert res is view, "in-place allreduce must return its input"
+    assert np.array_equal(np.asarray(base)[:, ::2], np.full((4, 3), sum(range(1, size + 1)), np.float32))
+    assert np.array_equal(np.asarray(base)[:, 1::2], np.full((4, 3), rank + 1, np.float32))
+
+    # grouped allreduce, broadcast, allgather (uneven), alltoall, reducescatter
+    g = hvddp.grouped_allreduce([dev(np.ones(3, np.float32) * rank), dev(np.ones(2, np.int64))],
+                                name="wired.group", op=hvddp.Sum)
+    assert np.array_equal(np.asarray(g[0]), np.full(3, sum(range(size)), np.float32))
+    assert np.array_equal(np.asarray(g[1]), np.full(2, size, np.int64))
+    b = hvddp.broadcast(dev(np.arange(5, dtype=np.int32) * (rank + 1)), root_rank=size - 1, name="wired.bc")
+    assert np.array_equal(np.asarray(b), np.arange(5, dtype=np.int32) * size)
+    ag = hvddp.allgather(dev(np.full((rank + 1, 2), rank, np.float64)), name="wired.ag")
+    assert np.array_equal(np.asarray(ag), np.concatenate([np.full((r + 1, 2), r, np.float64)
+                                                          for r in range(size)]))
+    a2a, splits = hvddp.alltoall(dev(np.arange(2 * size, dtype=np.float32) + 10 * rank),
+                                 splits=[2] * size, name="wired.a2a")
+    assert list(splits) == [2] * size
+    assert np.array_equal(np.asarray(a2a), np.concatenate(
+        [np.arange(2 * rank, 2 * rank + 2, dtype=np.float32) + 10 * r for r in range(size)]))
+    rs = hvddp.reducescatter(dev(np.ones((2 * size + 1, 3), np.float32)), name="wired.rs", op=hvddp.Sum)
+    assert np.asarray(rs).shape[1] == 3 and np.all(np.asarray(rs) == size)
+
+    # GPU on one rank, CPU on the other: an error on every rank, not a hang
+    if size > 1:
+        t = dev(np.ones(3, np.float32)) if rank == 0 else np.ones(3, np.float32)
+        try:
+            hvddp.allreduce(t, name="wired.mixed")
+        except hvddp.HvddpError as exc:
+            assert "device" in str(exc), exc
+        else:
+            raise AssertionError("a device mismatch across ranks did not raise")
+    hvddp.shutdown()
+    print(f"WIRED OK rank {rank}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
