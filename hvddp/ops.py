@@ -118,6 +118,8 @@ def _op(op: Any, average: Any, fn: str, default: ReduceOp = Average) -> ReduceOp
         return Average if average else Sum
     if op is None:
         return default
+    if isinstance(op, bool) or not isinstance(op, (int, ReduceOp)):
+        raise ValueError(f"{fn}: op must be one of hvddp.Average, Sum, Min, Max, Product; got {op!r}.")
     try:
         op = ReduceOp(op)
     except ValueError:
@@ -138,10 +140,15 @@ def _factor(value: Any, fn: str, arg: str) -> float:
     return value
 
 
-def _check_reduce(array: np.ndarray, op: ReduceOp, fn: str, arg: str = "tensor") -> None:
-    if array.dtype.kind == "b" and op not in (Min, Max):
-        raise ValueError(f"{fn}: {arg} is bool, which reduces only with op=Min (logical and) or "
-                         f"op=Max (logical or); got op={op!r}. Cast to an integer dtype to count.")
+def _check_reduce(array: np.ndarray, op: ReduceOp, fn: str, arg: str = "tensor",
+                  pre: float = 1.0, post: float = 1.0) -> None:
+    if array.dtype.kind == "b":
+        if op not in (Min, Max):
+            raise ValueError(f"{fn}: {arg} is bool, which reduces only with op=Min (logical and) or "
+                             f"op=Max (logical or); got op={op!r}. Cast to an integer dtype to count.")
+        if pre != 1.0 or post != 1.0:
+            raise ValueError(f"{fn}: {arg} is bool; prescale_factor and postscale_factor must be 1 "
+                             f"for bool, got {pre!r} and {post!r}.")
 
 
 def _entry(kind: Kind, array: np.ndarray, name: str, view, handle: Handle, index: int,
@@ -243,8 +250,12 @@ def _allreduce(fn: str, tensors: Sequence[Any], average, name, op, prescale_fact
     post = _factor(postscale_factor, fn, "postscale_factor")
     name = _check_name(name, fn)
     arrays = [_array(t, fn, f"tensors[{i}]" if grouped else "tensor") for i, t in enumerate(tensors)]
-    for i, a in enumerate(arrays):
-        _check_reduce(a, op, fn, f"tensors[{i}]" if grouped else "tensor")
+    for i, (a, t) in enumerate(zip(arrays, tensors)):
+        arg = f"tensors[{i}]" if grouped else "tensor"
+        _check_reduce(a, op, fn, arg, pre, post)
+        if inplace and not isinstance(t, np.ndarray) and not hasattr(a, "dtype_name"):
+            raise TypeError(f"{fn}: {arg} must be a writable numpy array for an in-place collective, "
+                            f"got {type(t).__name__}; use the out-of-place form.")
     if grouped:
         base, names = _member_names(fn, name, names, len(arrays), "grouped_allreduce")
     else:
@@ -426,6 +437,9 @@ def _broadcast(fn: str, tensor, root_rank, name, process_set, inplace: bool) -> 
         raise ValueError(f"{fn}: root_rank must be in [0, {view.size}) for {process_set!r}, got {root_rank}.")
     name = _check_name(name, fn) or _auto_name("broadcast")
     array = _array(tensor, fn)
+    if inplace and not isinstance(tensor, np.ndarray) and not hasattr(array, "dtype_name"):
+        raise TypeError(f"{fn}: tensor must be a writable numpy array for an in-place collective, "
+                        f"got {type(tensor).__name__}; use the out-of-place form.")
     handle = Handle(name, keep=tensor)
     _submit(state, [_entry(Kind.BROADCAST, array, name, view, handle, 0, inplace, root=root_rank)])
     return handle
@@ -505,7 +519,7 @@ def _reducescatter(fn, tensors, name, op, process_set, prescale_factor, postscal
     pre = _factor(prescale_factor, fn, "prescale_factor")
     post = _factor(postscale_factor, fn, "postscale_factor")
     for i, t in enumerate(tensors):
-        _check_reduce(_array(t, fn), op, fn, f"tensors[{i}]" if grouped else "tensor")
+        _check_reduce(_array(t, fn), op, fn, f"tensors[{i}]" if grouped else "tensor", pre, post)
     return _gather_like(Kind.REDUCESCATTER, fn, tensors, name, process_set, grouped, op=int(op),
                         prescale=pre, postscale=post)
 

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from typing import Dict, List, Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,6 +37,15 @@ def _rank_flag(exe: str) -> List[str]:
     return []
 
 
+def _clean_shm(since: float) -> None:
+    """Remove the /dev/shm segments a killed or aborted job leaves behind (MPICH: 2 MiB each)."""
+    try:
+        from hvddp.runner import remove_leaked_shm
+    except ImportError:
+        return
+    remove_leaked_shm(since)
+
+
 def run(np_: int, args: Sequence[str], timeout: float = 180, env: Optional[Dict[str, str]] = None,
         python_module_mpi4py: bool = True, check: bool = True) -> subprocess.CompletedProcess:
     """Run ``python [-m mpi4py] *args`` on ``np_`` ranks; fail with every rank's output.
@@ -60,6 +70,7 @@ def run(np_: int, args: Sequence[str], timeout: float = 180, env: Optional[Dict[
     full_env["PYTHONUNBUFFERED"] = "1"
     if env:
         full_env.update(env)
+    started = time.time()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -67,8 +78,11 @@ def run(np_: int, args: Sequence[str], timeout: float = 180, env: Optional[Dict[
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
+        _clean_shm(started)
         raise AssertionError(f"TIMEOUT after {timeout} s (killed the process group): {' '.join(cmd)}\n"
                              f"--- output of every rank ---\n{out}")
+    if proc.returncode != 0:
+        _clean_shm(started)
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}: {' '.join(cmd)}\n--- output of every rank ---\n{out}")
