@@ -23,6 +23,7 @@ from typing import Dict, List, Optional
 import numpy as np
 from mpi4py import MPI
 
+from .. import _faults
 from ..backends import mpi as mpi_backend
 from ..exceptions import HvddpError, MismatchError, ShutdownError, StallError
 from .cache import ResponseCache
@@ -353,6 +354,9 @@ class Engine:
             f"finished its collectives."))
 
     def _stop_with(self, error: HvddpError) -> None:
+        if not isinstance(error, ShutdownError):
+            # a peer stuck outside hvddp never sees this error: end the job at exit, not hang
+            _faults.world_broken(f"{type(error).__name__}: {error}")
         with self._cv:
             self._error = error
             entries = list(self._pending.values()) + self._queue
