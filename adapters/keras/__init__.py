@@ -1,1 +1,55 @@
-"""hvddp.keras: placeholder until its adapter lands."""
+"""hvddp.keras: data-parallel training for Keras 3 on the TensorFlow, torch and JAX backends.
+
+A Horovod Keras script ports by changing its import to ``import hvddp.keras as hvd``.
+
+Example:
+    import keras
+    import hvddp.keras as hvd
+
+    hvd.init()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(1e-3 * hvd.size())),
+                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.fit(x_shard, y_shard, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                                           hvd.callbacks.MetricAverageCallback()],
+              verbose=1 if hvd.rank() == 0 else 0)
+"""
+
+from __future__ import annotations
+
+try:
+    import keras as _keras
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("hvddp.keras needs Keras 3: pip install 'keras>=3' and a backend "
+                      "(tensorflow-cpu, torch or jax).") from exc
+
+if not _keras.__version__.startswith("3."):  # pragma: no cover
+    raise ImportError(f"hvddp.keras supports Keras 3; found keras {_keras.__version__}.")
+
+from hvddp import (Adasum, Average, BackendUnavailableError, Compression, HvddpError, Max, Min,
+                   MismatchError, NotInitializedError, ProcessSet, Product, ShutdownError, StallError, Sum,
+                   add_process_set, allgather_object, barrier, broadcast_object, cross_rank, cross_size,
+                   cuda_built, global_process_set, init, is_homogeneous, is_initialized, join, local_rank,
+                   local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
+                   remove_process_set, shutdown, size)
+
+from . import callbacks
+from ._jit import install_auto_jit_guard as _install_auto_jit_guard
+from .callbacks import (BroadcastGlobalVariablesCallback, LearningRateScheduleCallback,
+                        LearningRateWarmupCallback, MetricAverageCallback)
+from .functions import allgather, allreduce, broadcast, broadcast_variables
+from .optimizer import DistributedOptimizer, is_distributed, load_model
+
+_install_auto_jit_guard()
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
+    "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_built", "mpi_enabled", "nccl_built",
+    "cuda_built", "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+    "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression",
+    "DistributedOptimizer", "is_distributed", "load_model", "callbacks", "BroadcastGlobalVariablesCallback",
+    "MetricAverageCallback", "LearningRateScheduleCallback", "LearningRateWarmupCallback",
+    "allreduce", "allgather", "broadcast", "broadcast_variables", "barrier", "join", "broadcast_object",
+    "allgather_object",
+    "HvddpError", "NotInitializedError", "BackendUnavailableError", "MismatchError", "ShutdownError",
+    "StallError",
+]

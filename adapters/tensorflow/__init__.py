@@ -1,1 +1,46 @@
-"""hvddp.tensorflow: placeholder until its adapter lands."""
+"""hvddp.tensorflow: hvddp collectives as TensorFlow ops, ``DistributedGradientTape``,
+``broadcast_variables``, and the runtime functions, for custom TensorFlow training loops.
+
+Example:
+    import tensorflow as tf
+    import hvddp.tensorflow as hvd
+
+    hvd.init()
+    ...
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, model(x, training=True))
+    tape = hvd.DistributedGradientTape(tape)
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+"""
+
+from __future__ import annotations
+
+try:
+    import tensorflow as _tf  # noqa: F401
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("hvddp.tensorflow needs TensorFlow: pip install 'tensorflow-cpu>=2.16' "
+                      "(or tensorflow).") from exc
+
+from hvddp import (Adasum, Average, BackendUnavailableError, Compression, HvddpError, Max, Min,
+                   MismatchError, NotInitializedError, ProcessSet, Product, ShutdownError, StallError, Sum,
+                   add_process_set, allgather_object, barrier, broadcast_object, cross_rank, cross_size,
+                   cuda_built, global_process_set, init, is_homogeneous, is_initialized, join, local_rank,
+                   local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
+                   remove_process_set, shutdown, size)
+
+from .functions import broadcast_variables
+from .gradient_tape import DistributedGradientTape
+from .ops import allgather, allreduce, alltoall, broadcast, grouped_allreduce, reducescatter
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
+    "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_built", "mpi_enabled", "nccl_built",
+    "cuda_built", "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+    "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression",
+    "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
+    "barrier", "join", "broadcast_object", "allgather_object",
+    "DistributedGradientTape", "broadcast_variables",
+    "HvddpError", "NotInitializedError", "BackendUnavailableError", "MismatchError", "ShutdownError",
+    "StallError",
+]

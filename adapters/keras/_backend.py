@@ -1,0 +1,159 @@
+"""Reach the numpy-level core from each Keras backend, eagerly and inside compiled steps.
+
+- tensorflow: the ops of ``hvddp.tensorflow`` (``tf.numpy_function``; not under XLA).
+- torch: tensors to numpy and back, outside ``torch.compile`` graphs.
+- jax: ``jax.experimental.io_callback(ordered=True)``, which also runs under ``jax.jit``.
+
+Only the active backend's framework is imported, and only when first needed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence
+
+import numpy as np
+
+import hvddp
+
+from hvddp import _grouping
+
+
+def name() -> str:
+    import keras
+
+    return keras.backend.backend()
+
+
+def unwrap(value: Any) -> Any:
+    """Return a Keras variable's current value (a backend tensor); anything else unchanged."""
+    import keras
+
+    return value.value if isinstance(value, keras.Variable) else value
+
+
+def is_numpy(value: Any) -> bool:
+    return isinstance(value, (np.ndarray, np.generic, int, float, bool))
+
+
+# torch ------------------------------------------------------------------------------------
+def _torch_to_numpy(t: Any) -> np.ndarray:
+    import torch
+
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.cpu().contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.cpu().numpy()
+
+
+def _torch_from_numpy(a: np.ndarray, like: Any) -> Any:
+    import torch
+
+    a = np.ascontiguousarray(a)
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(like.device)
+    return torch.from_numpy(a).to(like.device)
+
+
+def _torch_call(fn: Callable[..., List[np.ndarray]], tensors: Sequence[Any]) -> List[Any]:
+    import torch
+
+    @torch.compiler.disable
+    def run(*ts):
+        return [_torch_from_numpy(a, t) for a, t in zip(fn(*[_torch_to_numpy(t) for t in ts]), ts)]
+
+    return run(*tensors)
+
+
+# jax --------------------------------------------------------------------------------------
+def _jax_call(fn: Callable[..., List[np.ndarray]], tensors: Sequence[Any],
+              out_shapes: Optional[Sequence[tuple]] = None) -> List[Any]:
+    import jax
+    from jax.experimental import io_callback
+
+    shapes = out_shapes or [tuple(t.shape) for t in tensors]
+    result = [jax.ShapeDtypeStruct(s, t.dtype) for s, t in zip(shapes, tensors)]
+
+    def callback(*arrays):
+        return [np.asarray(a) for a in fn(*[np.asarray(a) for a in arrays])]
+
+    return list(io_callback(callback, result, *tensors, ordered=True))
+
+
+def call(fn: Callable[..., List[np.ndarray]], tensors: Sequence[Any],
+         out_shapes: Optional[Sequence[tuple]] = None) -> List[Any]:
+    """Run ``fn`` (numpy arrays in, same-dtype numpy arrays out) on backend tensors.
+
+    ``out_shapes`` is needed under ``jax.jit`` when outputs differ in shape from inputs.
+    """
+    backend = name()
+    if backend == "torch":
+        return _torch_call(fn, tensors)
+    if backend == "jax":
+        return _jax_call(fn, tensors, out_shapes)
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        from hvddp.tensorflow.ops import _check_xla
+
+        _check_xla("hvddp.keras collective")
+        outs = tf.numpy_function(lambda *xs: fn(*xs), list(tensors), [t.dtype for t in tensors],
+                                 stateful=True, name="HvddpKeras")
+        outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+        for o, t, s in zip(outs, tensors, out_shapes or [None] * len(tensors)):
+            o.set_shape(t.shape if s is None else s)
+        return outs
+    raise hvddp.BackendUnavailableError(
+        f"hvddp.keras supports the tensorflow, torch and jax backends; Received: KERAS_BACKEND={backend!r}.")
+
+
+def reduce_gradients(grads: Sequence[Any], variables: Sequence[Any], labels: Sequence[str], prefix: str,
+                     op: Any, gradient_predivide_factor: float, postscale: float, compression: Any,
+                     process_set: Any) -> List[Any]:
+    """Reduce a step's (non-None) gradients as one grouped submission on the active backend."""
+    backend = name()
+    if backend == "tensorflow":
+        from hvddp.tensorflow.ops import reduce_gradients as tf_reduce
+
+        reduced = tf_reduce(grads, variables, labels, prefix, op, gradient_predivide_factor, compression,
+                            process_set)
+        return reduced if postscale == 1.0 else [r * postscale for r in reduced]
+    def reduce(*tensors):
+        size = process_set.size()
+        red_op, pre, post = _grouping.average_factors(op, gradient_predivide_factor, size)
+        post *= postscale
+        base = _grouping.group_name(prefix, labels)
+        _grouping.check_group_once(base, labels, [tuple(g.shape) for g in tensors],
+                                   [_dtype_name(g) for g in tensors], process_set)
+
+        def fn(*arrays):
+            return _grouping.reduce_group(arrays, base, labels, red_op, pre, post, compression, process_set)
+
+        return call(fn, tensors)
+
+    if backend == "torch":
+        import torch
+
+        reduce = torch.compiler.disable(reduce)  # torch.compile: run the exchange outside the graph
+    return reduce(*grads)
+
+
+def _dtype_name(t: Any) -> str:
+    import keras
+
+    return keras.backend.standardize_dtype(t.dtype)
+
+
+def to_numpy(value: Any) -> np.ndarray:
+    """Return an eager backend tensor (or Keras variable) as a numpy array."""
+    if hasattr(value, "numpy") and name() != "torch":
+        return np.asarray(value.numpy())
+    if name() == "torch":
+        import torch
+
+        if isinstance(value, torch.Tensor):
+            return _torch_to_numpy(value)
+    import keras
+
+    return np.asarray(keras.ops.convert_to_numpy(value))

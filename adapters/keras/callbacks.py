@@ -1,0 +1,210 @@
+"""Keras callbacks for data-parallel training with hvddp (Horovod's, for Keras 3)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional, Union
+
+import keras
+import numpy as np
+
+import hvddp
+from hvddp import ProcessSet, global_process_set
+
+from . import _backend
+from .functions import broadcast_variables
+
+__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
+           "LearningRateWarmupCallback"]
+
+_log = logging.getLogger("hvddp")
+
+
+def _sync_jax_state(model: Any) -> None:
+    # The JAX trainer keeps the training state outside the variables between the batches of an
+    # epoch; write it back and make the next step re-read the variables.
+    sync = getattr(model, "jax_state_sync", None)
+    if sync is not None and _backend.name() == "jax":
+        sync()
+
+
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+    """Copy ``root_rank``'s model and optimizer variables to every rank when training begins.
+
+    Differently initialised replicas (or a checkpoint restored on one rank) start equal. The
+    optimizer is built first if it is not yet, so its slots are broadcast too.
+
+    Args:
+        root_rank: the rank whose values win.
+        device: accepted for Horovod compatibility; ignored.
+        process_set: the ranks taking part.
+    """
+
+    def __init__(self, root_rank: int = 0, device: str = "", process_set: ProcessSet = global_process_set):
+        super().__init__()
+        self.root_rank = root_rank
+        self.process_set = process_set
+        self.broadcast_done = False
+
+    def on_train_begin(self, logs=None):
+        if self.broadcast_done:
+            return
+        _sync_jax_state(self.model)
+        # Random-number generator states stay per rank (dropout masks differ between replicas).
+        layers = getattr(self.model, "_flatten_layers", lambda: [])()
+        seeds = {id(g.state) for layer in layers for g in getattr(layer, "_seed_generators", ())}
+        variables = [v for v in self.model.variables if id(v) not in seeds]
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is not None:
+            if not optimizer.built:
+                optimizer.build(self.model.trainable_variables)
+            variables += list(optimizer.variables)
+        broadcast_variables(variables, self.root_rank, process_set=self.process_set, prefix="keras.bcast_cb")
+        self.broadcast_done = True
+
+
+class MetricAverageCallback(keras.callbacks.Callback):
+    """Replace each epoch's metric values (``logs``) by their average across ranks.
+
+    Place it before callbacks that read the metrics (``ModelCheckpoint``, ``EarlyStopping``,
+    ``ReduceLROnPlateau``); Keras' own ``History`` and progress bar come after user callbacks.
+    Every rank must report the same metric names.
+    """
+
+    def __init__(self, process_set: ProcessSet = global_process_set):
+        super().__init__()
+        self.process_set = process_set
+
+    def on_epoch_end(self, epoch, logs=None):
+        if not logs:
+            return
+        values = {k: _scalar(v) for k, v in logs.items()}
+        handles = [(k, hvddp.allreduce_async(np.asarray(values[k], dtype=np.float64),
+                                             name=f"keras.metric.{k}", process_set=self.process_set))
+                   for k in sorted(values) if values[k] is not None]
+        for key, handle in handles:
+            logs[key] = float(handle.wait())
+
+
+def _scalar(value: Any) -> Optional[float]:
+    try:
+        array = np.asarray(_backend.to_numpy(value) if hasattr(value, "numpy") else value, dtype=np.float64)
+    except (TypeError, ValueError):
+        return None
+    return float(array) if array.size == 1 else None
+
+
+class LearningRateScheduleCallback(keras.callbacks.Callback):
+    """Set the learning rate to ``initial_lr * multiplier(epoch)`` for epochs in [start, end).
+
+    With ``staircase=True`` (or a constant ``multiplier``) the rate changes at the start of each
+    epoch, using the integer epoch; otherwise before every batch, using the fractional epoch
+    ``epoch + batch / steps_per_epoch``. The rate is written to ``logs["learning_rate"]`` at
+    each epoch end.
+
+    Args:
+        initial_lr: the base rate; the optimizer's rate when training begins if None.
+        multiplier: a number, or a function of the (fractional) epoch.
+        start_epoch: first epoch the schedule applies to.
+        end_epoch: first epoch it no longer applies to (None: to the end).
+        staircase: adjust once per epoch (True) or every batch (False).
+        momentum_correction: accepted for Horovod compatibility. Keras 3 optimizers compile
+            their momentum as a constant into the training step, so it is not rescaled.
+        steps_per_epoch: batches per epoch; taken from ``fit`` when None.
+        verbose: log changes on rank 0.
+    """
+
+    def __init__(self, initial_lr: Optional[float], multiplier: Union[float, Callable[[float], float]],
+                 start_epoch: int = 0, end_epoch: Optional[int] = None, staircase: bool = True,
+                 momentum_correction: bool = True, steps_per_epoch: Optional[int] = None, verbose: int = 0):
+        super().__init__()
+        self.initial_lr = initial_lr
+        if callable(multiplier):
+            self.multiplier = multiplier
+            self.staircase = staircase
+        else:
+            value = float(multiplier)
+            self.multiplier = lambda epoch: value
+            self.staircase = True
+        self.start_epoch = start_epoch
+        self.end_epoch = end_epoch
+        self.momentum_correction = momentum_correction
+        self.steps_per_epoch = steps_per_epoch
+        self.verbose = verbose
+        self.current_epoch = 0
+
+    def _active(self) -> bool:
+        return self.current_epoch >= self.start_epoch and (self.end_epoch is None
+                                                           or self.current_epoch < self.end_epoch)
+
+    def _set_lr(self, epoch: float) -> None:
+        _sync_jax_state(self.model)
+        new_lr = self.initial_lr * self.multiplier(epoch)
+        self.model.optimizer.learning_rate = new_lr
+        if self.verbose and hvddp.rank() == 0:
+            _log.info("epoch %.3f: learning rate set to %g", epoch, new_lr)
+
+    def on_train_begin(self, logs=None):
+        if self.initial_lr is None:
+            self.initial_lr = float(_backend.to_numpy(self.model.optimizer.learning_rate))
+        if not self.staircase and not self.steps_per_epoch:
+            self.steps_per_epoch = (self.params or {}).get("steps")
+            if not self.steps_per_epoch:
+                raise ValueError(f"{type(self).__name__}: could not tell the number of batches per epoch; "
+                                 f"pass steps_per_epoch=.")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current_epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if not self._active():
+            return
+        if self.staircase:
+            if batch == 0:
+                self._set_lr(self.current_epoch)
+        else:
+            self._set_lr(self.current_epoch + float(batch) / self.steps_per_epoch)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["learning_rate"] = float(_backend.to_numpy(self.model.optimizer.learning_rate))
+
+
+class LearningRateWarmupCallback(LearningRateScheduleCallback):
+    """Ramp the learning rate from ``initial_lr / size`` up to ``initial_lr`` over the first
+    ``warmup_epochs`` epochs, adjusting before every batch (Goyal et al., 2017).
+
+    Before batch ``b`` of epoch ``e`` (``S`` batches per epoch, ``N`` ranks) the rate is::
+
+        initial_lr / N * ((e + (b + 1) / S) * (N - 1) / warmup_epochs + 1)
+
+    so it reaches ``initial_lr`` on the last batch of the warm-up. ``initial_lr`` is the rate
+    already scaled for ``N`` ranks (typically ``base_lr * hvd.size()``).
+
+    Args:
+        initial_lr: the rate at the end of the warm-up; the optimizer's rate if None.
+        warmup_epochs: epochs to ramp over.
+        momentum_correction: see ``LearningRateScheduleCallback``.
+        steps_per_epoch: batches per epoch; taken from ``fit`` when None.
+        verbose: log on rank 0 when the warm-up ends.
+    """
+
+    def __init__(self, initial_lr: Optional[float], warmup_epochs: int = 5, momentum_correction: bool = True,
+                 steps_per_epoch: Optional[int] = None, verbose: int = 0):
+        self.warmup_epochs = warmup_epochs
+
+        def multiplier(epoch: float) -> float:
+            size = hvddp.size()
+            epoch += 1.0 / self.steps_per_epoch
+            return 1.0 / size * (epoch * (size - 1) / warmup_epochs + 1)
+
+        super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs, staircase=False,
+                         momentum_correction=momentum_correction, steps_per_epoch=steps_per_epoch,
+                         verbose=0)
+        self.warmup_verbose = verbose
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, logs)
+        if epoch == self.end_epoch - 1 and self.warmup_verbose and hvddp.rank() == 0:
+            _log.warning("epoch %d: finished gradual learning rate warm-up to %g", epoch + 1,
+                         float(_backend.to_numpy(self.model.optimizer.learning_rate)))

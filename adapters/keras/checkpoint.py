@@ -1,0 +1,230 @@
+"""Save and resume Keras 3 training: rank 0 writes atomically, every rank resumes identically.
+
+    from hvddp.keras.checkpoint import CheckpointCallback, load_checkpoint
+
+    state = load_checkpoint("ckpt/last.pkl", model)          # None on a fresh start
+    model.fit(x, y, epochs=10, initial_epoch=0 if state is None else state["epoch"],
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                         CheckpointCallback("ckpt/last.pkl")])
+
+A checkpoint holds rank 0's model variables and optimizer variables (built first if needed:
+iteration count, learning rate, moments), the epoch and step, any picklable ``extra``, and per
+rank the states that differ between replicas: the layers' ``SeedGenerator`` states, Keras'
+global seed generator, Python's and NumPy's global RNGs, and on the torch backend torch's
+generators (unseeded ``Dropout`` draws from them there). A resumed job continues as the
+uninterrupted one would.
+
+Both functions are collective: every rank calls them (callbacks run on every rank). The file is
+pickled NumPy data written through ``hvddp.checkpoint`` (temporary file, fsync, rename; a crash
+mid-write leaves the previous checkpoint intact); rank 0 reads it and broadcasts it, so only
+rank 0 needs to see it. It is unpickled on load: load only checkpoints you wrote.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any, Dict, List, Optional, Union
+
+import keras
+import numpy as np
+
+import hvddp
+from hvddp import checkpoint as _core
+from hvddp import global_process_set, ProcessSet
+
+__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointCallback"]
+
+FORMAT = "hvddp.keras.checkpoint/1"
+
+
+def _sync(model) -> None:
+    sync = getattr(model, "jax_state_sync", None)  # the JAX trainer keeps state outside variables
+    if sync is not None and keras.backend.backend() == "jax":
+        sync()
+
+
+def _split(model) -> tuple:
+    """(shared variables, per-rank seed-generator variables) of ``model``."""
+    seeds = {id(g.state) for layer in model._flatten_layers()
+             for g in getattr(layer, "_seed_generators", ())}
+    shared = [v for v in model.variables if id(v) not in seeds]
+    own = [v for v in model.variables if id(v) in seeds]
+    return shared, own
+
+
+def _values(variables) -> List[tuple]:
+    return [(v.path, tuple(v.shape), keras.ops.convert_to_numpy(v.value)) for v in variables]
+
+
+def _assign(variables, saved: List[tuple], what: str, path: str) -> None:
+    if len(variables) != len(saved):
+        raise _core.CheckpointError(f"checkpoint {path!r} has {len(saved)} {what} variables, this "
+                                    f"model has {len(variables)}: build the same model as the one saved.")
+    for v, (name, shape, value) in zip(variables, saved):
+        if tuple(v.shape) != tuple(shape):
+            raise _core.CheckpointError(f"checkpoint {path!r}: {what} variable {v.path!r} has shape "
+                                        f"{tuple(v.shape)}, the saved {name!r} {tuple(shape)}.")
+        v.assign(value)
+
+
+def _backend_rng() -> Dict[str, Any]:
+    """States Keras draws from outside the layers' seed generators, per backend."""
+    state: Dict[str, Any] = {}
+    if keras.backend.backend() == "torch":  # unseeded dropout uses torch's global generator
+        import torch
+
+        state["torch"] = torch.get_rng_state().numpy().copy()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = [s.numpy().copy() for s in torch.cuda.get_rng_state_all()]
+    generator = _global_seed_generator(create=False)
+    if generator is not None:  # keras.random.* calls without a seed
+        state["global_seed"] = keras.ops.convert_to_numpy(generator.state.value)
+    return state
+
+
+def _set_backend_rng(state: Dict[str, Any]) -> None:
+    if "torch" in state and keras.backend.backend() == "torch":
+        import torch
+
+        torch.set_rng_state(torch.from_numpy(state["torch"]))
+        if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all([torch.from_numpy(s) for s in state["cuda"]])
+    if "global_seed" in state:
+        generator = _global_seed_generator(create=True)
+        if generator is not None:
+            generator.state.assign(state["global_seed"])
+
+
+def _global_seed_generator(create: bool):
+    try:  # Keras keeps it in its global state; there is no public accessor
+        from keras.src.backend.common import global_state
+        from keras.src.random import seed_generator
+    except ImportError:  # pragma: no cover - a Keras layout we do not know
+        return None
+    if not create and global_state.get_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR) is None:
+        return None
+    return seed_generator.global_seed_generator()
+
+
+def _set_global_rng(mine: Dict[str, Any]) -> None:
+    random.setstate(mine["python"])
+    np.random.set_state(mine["numpy"])
+    _set_backend_rng(mine["backend"])
+
+
+def _optimizer(model, optimizer):
+    optimizer = getattr(model, "optimizer", None) if optimizer is None else optimizer
+    if optimizer is not None and not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    return optimizer
+
+
+def save_checkpoint(path: Union[str, os.PathLike], model: keras.Model, optimizer: Any = None, *,
+                    epoch: int = 0, step: int = 0, extra: Any = None, rng: bool = True,
+                    root_rank: int = 0, process_set: ProcessSet = global_process_set) -> None:
+    """Write a checkpoint of ``model`` (and its optimizer) from ``root_rank``; every rank calls it.
+
+    Args:
+        path: the checkpoint file (replaced atomically; the directory is created).
+        model: a built Keras model.
+        optimizer: the optimizer whose variables to save; ``model.optimizer`` when None.
+        epoch: saved as is (use it as ``fit(initial_epoch=...)``).
+        step: saved as is.
+        extra: more picklable state.
+        rng: save every rank's seed-generator and global RNG states (a small gather).
+        root_rank: the rank that writes.
+        process_set: the ranks taking part.
+
+    Raises:
+        CheckpointError: on every rank, when the root could not write the file.
+    """
+    _sync(model)
+    shared, own = _split(model)
+    optimizer = _optimizer(model, optimizer)
+    per_rank = None
+    if rng:
+        mine = {"seeds": _values(own), "python": random.getstate(), "numpy": np.random.get_state(),
+                "backend": _backend_rng()}
+        per_rank = hvddp.allgather_object(mine, name="__hvddp.keras.checkpoint.rng", process_set=process_set)
+    state = None
+    if process_set.rank() == root_rank:
+        state = {"format": FORMAT, "size": process_set.size(), "epoch": epoch, "step": step,
+                 "variables": _values(shared),
+                 "optimizer": _values(optimizer.variables) if optimizer is not None else None,
+                 "extra": extra, "rng": per_rank}
+    _core.save(state, path, root_rank, process_set)
+
+
+def load_checkpoint(path: Union[str, os.PathLike], model: keras.Model, optimizer: Any = None, *,
+                    rng: bool = True, root_rank: int = 0,
+                    process_set: ProcessSet = global_process_set) -> Optional[Dict[str, Any]]:
+    """Restore a checkpoint written by ``save_checkpoint`` on every rank; every rank calls it.
+
+    Rank 0 reads the file and broadcasts it, so every rank assigns the same values (no
+    broadcast is needed afterwards; ``BroadcastGlobalVariablesCallback`` is harmless). Each
+    rank gets its own seed-generator and RNG states back when the job has as many ranks as the
+    one that saved it.
+
+    Returns:
+        ``{"epoch": ..., "step": ..., "extra": ...}`` on every rank, or None on every rank when
+        ``root_rank`` finds no file at ``path``.
+
+    Raises:
+        CheckpointError: on every rank, when the file cannot be read or does not fit the model.
+    """
+    path = os.fspath(path)
+    state = _core.load(path, None, root_rank, process_set)
+    if state is None:
+        return None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise _core.CheckpointError(f"checkpoint {path!r} was not written by "
+                                    f"hvddp.keras.checkpoint.save_checkpoint.")
+    _sync(model)
+    shared, own = _split(model)
+    _assign(shared, state["variables"], "model", path)
+    optimizer = _optimizer(model, optimizer)
+    if optimizer is not None and state["optimizer"] is not None:
+        _assign(list(optimizer.variables), state["optimizer"], "optimizer", path)
+    if rng and state["rng"] is not None and len(state["rng"]) == process_set.size():
+        mine = state["rng"][process_set.rank()]
+        _assign(own, mine["seeds"], "seed-generator", path)
+        _set_global_rng(mine)
+        # Keras' first fit() on a model draws random numbers while it builds the train function;
+        # CheckpointCallback.on_train_begin sets these states again after that.
+        object.__setattr__(model, "_hvddp_pending_rng", mine)
+    elif rng and state["rng"] is not None and process_set.rank() == 0:
+        import logging
+
+        logging.getLogger("hvddp").warning(
+            "checkpoint %r was saved by %d ranks, this job has %d: RNG and seed-generator states "
+            "not restored.", path, len(state["rng"]), process_set.size())
+    return {"epoch": state["epoch"], "step": state["step"], "extra": state["extra"]}
+
+
+class CheckpointCallback(keras.callbacks.Callback):
+    """Call ``save_checkpoint(path, model, epoch=epoch + 1)`` at the end of every ``every`` epochs.
+
+    Every rank must use the callback (it is collective). Resume with
+    ``fit(initial_epoch=load_checkpoint(path, model)["epoch"], callbacks=[..., CheckpointCallback(path)])``:
+    when training begins, the callback restores again the RNG states that ``load_checkpoint``
+    restored, because Keras' first ``fit()`` on a model draws random numbers while it builds the
+    train function (on the torch backend that shifts unseeded dropout masks).
+    """
+
+    def __init__(self, path: Union[str, os.PathLike], every: int = 1, rng: bool = True,
+                 process_set: ProcessSet = global_process_set) -> None:
+        super().__init__()
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"CheckpointCallback: every must be an int >= 1, got {every!r}.")
+        self.path, self.every, self.rng, self.process_set = path, every, rng, process_set
+
+    def on_train_begin(self, logs=None):
+        pending = self.model.__dict__.pop("_hvddp_pending_rng", None)
+        if pending is not None:
+            _set_global_rng(pending)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if (epoch + 1) % self.every == 0:
+            save_checkpoint(self.path, self.model, epoch=epoch + 1, rng=self.rng,
+                            process_set=self.process_set)

@@ -1,0 +1,125 @@
+"""Collectives on numpy values or backend tensors, and ``broadcast_variables``, for Keras."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+import numpy as np
+
+import hvddp
+from hvddp import Compression, ProcessSet, global_process_set
+
+from hvddp import _grouping
+
+from . import _backend
+
+__all__ = ["allreduce", "allgather", "broadcast", "broadcast_variables"]
+
+
+def allreduce(value: Any, name: Optional[str] = None, average: Optional[bool] = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0, op: Any = None,
+              compression: Any = Compression.none, process_set: ProcessSet = global_process_set) -> Any:
+    """Reduce ``value`` across ranks (Average by default) and return the result.
+
+    ``value`` is a numpy array or number (the result is a numpy array) or a tensor of the
+    active Keras backend (the result is one too; usable inside ``tf.function`` and ``jax.jit``).
+    Every rank makes the same call with the same name, shape and dtype. Blocks.
+    """
+    op = _grouping.check_op(op, average, "allreduce")
+    value = _backend.unwrap(value)
+    if _backend.is_numpy(value):
+        c, ctx = compression.compress(np.asarray(value))
+        out = hvddp.allreduce(c, name=name, op=op, prescale_factor=prescale_factor,
+                              postscale_factor=postscale_factor, process_set=process_set)
+        return compression.decompress(out, ctx)
+    if _backend.name() == "tensorflow":
+        from hvddp.tensorflow import allreduce as tf_allreduce
+
+        return tf_allreduce(value, compression=compression, op=op, prescale_factor=prescale_factor,
+                            postscale_factor=postscale_factor, name=name, process_set=process_set)
+
+    def fn(x):
+        c, ctx = compression.compress(x)
+        out = hvddp.allreduce(c, name=name, op=op, prescale_factor=prescale_factor,
+                              postscale_factor=postscale_factor, process_set=process_set)
+        return [np.asarray(compression.decompress(out, ctx), dtype=x.dtype)]
+
+    return _backend.call(fn, [value])[0]
+
+
+def allgather(value: Any, name: Optional[str] = None, process_set: ProcessSet = global_process_set) -> Any:
+    """Concatenate every rank's ``value`` along the first dimension, in rank order.
+
+    Numpy in, numpy out; a backend tensor in, a backend tensor out. The first dimension may
+    differ across ranks, except inside ``jax.jit``, where shapes are static and must match.
+    """
+    value = _backend.unwrap(value)
+    if _backend.is_numpy(value):
+        return hvddp.allgather(np.asarray(value), name=name, process_set=process_set)
+    backend = _backend.name()
+    if backend == "tensorflow":
+        from hvddp.tensorflow import allgather as tf_allgather
+
+        return tf_allgather(value, name=name, process_set=process_set)
+
+    def fn(x):
+        return [np.asarray(hvddp.allgather(x, name=name, process_set=process_set), dtype=x.dtype)]
+
+    shape = tuple(value.shape)
+    out_shape = (shape[0] * process_set.size(),) + shape[1:]
+    if backend == "jax":
+        import jax
+
+        if not isinstance(value, jax.core.Tracer):
+            return jax.numpy.asarray(fn(np.asarray(value))[0])
+    return _backend.call(fn, [value], [out_shape])[0]
+
+
+def broadcast(value: Any, root_rank: int, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> Any:
+    """Return ``root_rank``'s ``value`` on every rank (numpy or backend tensor, as given)."""
+    value = _backend.unwrap(value)
+    if _backend.is_numpy(value):
+        return hvddp.broadcast(np.asarray(value), root_rank, name=name, process_set=process_set)
+    if _backend.name() == "tensorflow":
+        from hvddp.tensorflow import broadcast as tf_broadcast
+
+        return tf_broadcast(value, root_rank, name=name, process_set=process_set)
+
+    def fn(x):
+        return [np.asarray(hvddp.broadcast(x, root_rank, name=name, process_set=process_set), dtype=x.dtype)]
+
+    return _backend.call(fn, [value])[0]
+
+
+def broadcast_variables(variables: Iterable[Any], root_rank: int = 0,
+                        process_set: ProcessSet = global_process_set, prefix: str = "keras.bcast") -> None:
+    """Assign ``root_rank``'s values to Keras ``variables`` on every rank; call eagerly.
+
+    Every rank passes the same variables in the same order (e.g. ``model.variables``). They
+    are named from their position and path, so a different model on some rank is an error that
+    names the variable, not a hang.
+
+    Args:
+        variables: Keras variables (any backend).
+        root_rank: the rank whose values win.
+        process_set: the ranks taking part.
+        prefix: the first part of the collectives' names (calls in flight at once need
+            different prefixes).
+    """
+    variables = list(variables)
+    values = [np.array(_backend.to_numpy(v)) for v in variables]
+    handles = [hvddp.broadcast_async(_wire(value), root_rank, name=f"{prefix}.{i}.{getattr(v, 'path', '')}",
+                                     process_set=process_set)
+               for i, (v, value) in enumerate(zip(variables, values))]
+    for v, value, handle in zip(variables, values, handles):
+        v.assign(handle.wait().view(value.dtype))
+
+
+# The core has no uint16/32/64; send their bits as the signed type of the same width.
+_SIGNED = {"uint16": np.int16, "uint32": np.int32, "uint64": np.int64}
+
+
+def _wire(array: np.ndarray) -> np.ndarray:
+    signed = _SIGNED.get(array.dtype.name)
+    return array if signed is None else array.view(signed)

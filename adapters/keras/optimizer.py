@@ -1,0 +1,295 @@
+"""``DistributedOptimizer`` for Keras 3 and ``load_model``.
+
+The wrapper is an instance of a subclass of the wrapped optimizer's class, created once per
+class with the same name and module, whose ``apply`` (and ``stateless_apply``, used by the JAX
+trainer) averages the gradients across ranks before handing them to the class's own method.
+``get_config`` is the wrapped class's, so a saved model names, say, ``Adam`` from
+``keras.optimizers`` and reloads without hvddp.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Dict, List, Optional
+
+import keras
+
+import hvddp
+from hvddp import Compression, ProcessSet, global_process_set
+
+from hvddp import _grouping
+
+from . import _backend
+
+__all__ = ["DistributedOptimizer", "load_model", "is_distributed"]
+
+_LossScaleOptimizer = keras.optimizers.LossScaleOptimizer
+_classes: Dict[type, type] = {}
+
+
+def _default_settings() -> Dict[str, Any]:
+    return {"op": hvddp.Average, "gradient_predivide_factor": 1.0, "compression": Compression.none,
+            "process_set": global_process_set, "postscale": 1.0, "passthrough": False, "in_stateless": False}
+
+
+class _DistributedOptimizerMixin:
+    """Averages gradients across ranks in ``apply``/``stateless_apply``; everything else is the
+    wrapped class's. Settings live in ``self._hvddp`` (a plain dict, not tracked by Keras)."""
+
+    _hvddp: Optional[Dict[str, Any]] = None
+
+    def _hvddp_settings(self) -> Dict[str, Any]:
+        settings = self.__dict__.get("_hvddp")
+        if settings is None:  # created by from_config (e.g. a custom_objects mapping)
+            settings = _default_settings()
+            object.__setattr__(self, "_hvddp", settings)
+        return settings
+
+    def _hvddp_allreduce(self, grads: List[Any], variables: List[Any]) -> List[Any]:
+        settings = self._hvddp_settings()
+        ps = settings["process_set"]
+        if ps.size() == 1 and settings["compression"] is Compression.none and settings["postscale"] == 1.0:
+            return grads
+        if len(grads) != len(variables):
+            raise ValueError(f"{type(self).__name__}: got {len(grads)} gradients for {len(variables)} "
+                             f"variables; pass one gradient per trainable variable.")
+        grads = [keras.ops.zeros(v.shape, dtype=v.dtype) if g is None else g
+                 for g, v in zip(grads, variables)]
+        labels = [v.path for v in variables]
+        return _backend.reduce_gradients(grads, variables, labels, "keras.grads", settings["op"],
+                                         settings["gradient_predivide_factor"], settings["postscale"],
+                                         settings["compression"], ps)
+
+    def apply(self, grads, trainable_variables=None):
+        """Average ``grads`` across ranks, then apply them with the wrapped optimizer's rule.
+
+        ``None`` gradients count as zeros, so every rank submits the same group.
+        """
+        settings = self._hvddp_settings()
+        grads = list(grads)
+        if trainable_variables is not None:
+            trainable_variables = list(trainable_variables)
+        if not (settings["passthrough"] or settings["in_stateless"]):
+            variables = trainable_variables if trainable_variables is not None else self._trainable_variables
+            grads = self._hvddp_allreduce(grads, list(variables))
+        return super().apply(grads, trainable_variables)
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        """Average ``grads`` across ranks, then run the wrapped class's ``stateless_apply``."""
+        settings = self._hvddp_settings()
+        grads = list(grads)
+        if not settings["passthrough"]:
+            grads = self._hvddp_allreduce(grads, list(self._trainable_variables))
+        settings["in_stateless"] = True
+        try:
+            return super().stateless_apply(optimizer_variables, grads, trainable_variables)
+        finally:
+            settings["in_stateless"] = False
+
+    def build(self, var_list):
+        outer = _enclosing_loss_scale_optimizer(self)
+        if outer is not None:
+            _move_reduction_to(outer, self)
+        return super().build(var_list)
+
+
+def _enclosing_loss_scale_optimizer(inner: Any) -> Optional[Any]:
+    """The ``LossScaleOptimizer`` whose ``build`` is building ``inner``, if any.
+
+    Keras' ``compile`` wraps the optimizer in a ``LossScaleOptimizer`` under the
+    ``mixed_float16`` policy. Averaging inside it would run only on ranks whose gradients are
+    finite, so the reduction moves to the outer optimizer, before its finite check.
+    """
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, _LossScaleOptimizer) and candidate.inner_optimizer is inner:
+            return None if isinstance(candidate, _DistributedOptimizerMixin) else candidate
+        frame = frame.f_back
+    return None
+
+
+def _move_reduction_to(outer: Any, inner: Any) -> None:
+    frame = None if _tracing_tf_function() else sys._getframe(1)
+    while frame is not None:  # building lazily inside the outer optimizer's first apply?
+        if frame.f_code.co_name in ("apply", "stateless_apply") and frame.f_locals.get("self") is outer:
+            raise ValueError(
+                "a LossScaleOptimizer wraps an hvddp DistributedOptimizer and is being built inside "
+                "its first apply(): the average would run after the loss-scale finite check, where a "
+                "rank with overflowing gradients skips it. Wrap the other way round, "
+                "hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(opt)), or build the "
+                "optimizer before the first step: optimizer.build(model.trainable_variables).")
+        frame = frame.f_back
+    settings = dict(inner._hvddp_settings())
+    outer.__class__ = _distributed_class(type(outer))
+    object.__setattr__(outer, "_hvddp", settings)
+    inner._hvddp_settings()["passthrough"] = True
+
+
+def _tracing_tf_function() -> bool:
+    """True while TensorFlow traces a ``tf.function`` (Keras' TF trainer builds the optimizer
+    there). A function that creates variables is traced again before it runs, and that second
+    trace sees the moved reduction, so building inside the first ``apply`` is safe there."""
+    if _backend.name() != "tensorflow":
+        return False
+    import tensorflow as tf
+
+    return not tf.executing_eagerly()
+
+
+def _distributed_class(base: type) -> type:
+    cls = _classes.get(base)
+    if cls is None:
+        cls = type(base.__name__, (_DistributedOptimizerMixin, base),
+                   {"__module__": base.__module__, "__qualname__": base.__qualname__,
+                    "__doc__": base.__doc__})
+        _classes[base] = cls
+        _serialize_as(cls, base)
+    return cls
+
+
+def _serialize_as(cls: type, base: type) -> None:
+    """Make Keras serialize ``cls`` exactly as ``base`` (e.g. ``keras.optimizers.Adam``).
+
+    Only the object-to-name direction is registered: loading the file yields ``base``.
+    """
+    try:
+        from keras.src import api_export
+    except ImportError:  # pragma: no cover - Keras moved its registry; files still reload via module
+        return
+    public = api_export.REGISTERED_OBJS_TO_NAMES.get(base)
+    if public is not None:
+        api_export.REGISTERED_OBJS_TO_NAMES[cls] = public
+
+
+def is_distributed(optimizer: Any) -> bool:
+    """Return True if ``optimizer`` (or the optimizer a ``LossScaleOptimizer`` wraps) averages
+    gradients with hvddp."""
+    if isinstance(optimizer, _DistributedOptimizerMixin):
+        return True
+    return isinstance(optimizer, _LossScaleOptimizer) and isinstance(optimizer.inner_optimizer,
+                                                                     _DistributedOptimizerMixin)
+
+
+def _settings(op, gradient_predivide_factor, compression, process_set, postscale=1.0) -> Dict[str, Any]:
+    op = _grouping.check_op(op, None, "DistributedOptimizer")
+    if op not in (hvddp.Average, hvddp.Sum):
+        raise ValueError(f"DistributedOptimizer: op must be hvddp.Average or hvddp.Sum; Received: op={op!r}.")
+    factor = _grouping.check_predivide(op, gradient_predivide_factor, "DistributedOptimizer")
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"DistributedOptimizer: process_set must be an hvddp.ProcessSet; "
+                        f"Received: process_set={type(process_set).__name__}.")
+    if not hasattr(compression, "compress") or not hasattr(compression, "decompress"):
+        raise TypeError(f"DistributedOptimizer: compression must be hvddp.Compression.none, .fp16 or .bf16; "
+                        f"Received: compression={compression!r}.")
+    settings = _default_settings()
+    settings.update(op=op, gradient_predivide_factor=factor, compression=compression, process_set=process_set,
+                    postscale=float(postscale))
+    return settings
+
+
+def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[str] = None,
+                         device_dense: str = "", device_sparse: str = "", compression: Any = Compression.none,
+                         sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
+                         op: Any = hvddp.Average, backward_passes_per_step: int = 1,
+                         average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = None,
+                         process_set: ProcessSet = global_process_set) -> keras.optimizers.Optimizer:
+    """Return a copy of ``optimizer`` that averages gradients across ranks before each update.
+
+    Works with ``model.fit`` (and ``apply``/``apply_gradients`` in custom loops) on the
+    tensorflow, torch and jax backends. Each step's gradients are reduced as one group named from
+    the variables' paths; every rank must train the same model. ``None`` gradients count as
+    zeros. The result is an instance of a subclass of ``optimizer``'s class with the same name
+    and config, so ``model.save`` writes a plain Keras optimizer; ``load_model`` wraps it again.
+    Under the ``mixed_float16`` policy the average is taken before the loss-scale finite check
+    (also when ``compile`` adds the ``LossScaleOptimizer`` around this one), so every rank
+    skips or takes the same steps. On the TensorFlow backend the reduction cannot run inside
+    XLA: ``jit_compile=True`` raises, ``jit_compile="auto"`` compiles without XLA.
+
+    Args:
+        optimizer: any ``keras.optimizers.Optimizer`` (including ``LossScaleOptimizer``). Its
+            state is copied if it is already built.
+        name: a new name for the optimizer; the wrapped one's by default.
+        device_dense, device_sparse, sparse_as_dense, num_groups, groups: accepted for Horovod
+            compatibility; every step's gradients form one dense group.
+        compression: ``hvddp.Compression.none``, ``.fp16`` or ``.bf16``.
+        gradient_predivide_factor: divide gradients by this before the sum and by
+            ``size / factor`` after (Average only).
+        op: ``hvddp.Average`` (default) or ``hvddp.Sum``.
+        backward_passes_per_step: apply the update every this many batches, accumulating
+            gradients in between (Keras' ``gradient_accumulation_steps``). Gradients are still
+            averaged across ranks at every batch.
+        average_aggregated_gradients: with ``backward_passes_per_step > 1``, average the
+            accumulated gradients over the passes instead of summing them (Horovod's default).
+        process_set: the ranks that average.
+
+    Raises:
+        TypeError, ValueError: a bad argument (named in the message).
+
+    Example:
+        opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.001 * hvd.size()))
+        model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+    """
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer; Received: "
+                        f"optimizer={type(optimizer).__name__}.")
+    if is_distributed(optimizer):
+        raise ValueError("DistributedOptimizer: this optimizer already averages gradients with hvddp; "
+                         "wrap it once.")
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+            or backward_passes_per_step < 1:
+        raise ValueError(f"DistributedOptimizer: backward_passes_per_step must be an int >= 1; "
+                         f"Received: backward_passes_per_step={backward_passes_per_step!r}.")
+    config = optimizer.get_config()
+    postscale = 1.0
+    if backward_passes_per_step > 1:
+        target = config if "gradient_accumulation_steps" in config else config.get("inner_optimizer", {}).get(
+            "config", {})
+        existing = target.get("gradient_accumulation_steps")
+        if existing not in (None, backward_passes_per_step):
+            raise ValueError(f"DistributedOptimizer: the optimizer already has gradient_accumulation_steps="
+                             f"{existing}; Received: backward_passes_per_step={backward_passes_per_step}.")
+        target["gradient_accumulation_steps"] = backward_passes_per_step
+        if not average_aggregated_gradients:
+            postscale = float(backward_passes_per_step)  # Keras averages the passes; Horovod sums
+    settings = _settings(op, gradient_predivide_factor, compression, process_set, postscale)
+    if name is not None:
+        config["name"] = name
+    cls = _distributed_class(type(optimizer))
+    wrapped = cls.from_config(config)
+    object.__setattr__(wrapped, "_hvddp", settings)
+    if optimizer.built:
+        wrapped.build(list(optimizer._trainable_variables))
+        for mine, theirs in zip(wrapped.variables, optimizer.variables):
+            mine.assign(theirs)
+    return wrapped
+
+
+def load_model(filepath: Any, custom_optimizers: Optional[List[type]] = None,
+               custom_objects: Optional[Dict[str, Any]] = None, compression: Any = Compression.none,
+               op: Any = hvddp.Average, gradient_predivide_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set, **kwargs: Any) -> keras.Model:
+    """Load a model saved with ``model.save`` and make its optimizer average across ranks.
+
+    The optimizer keeps its restored state (slots, iteration count). Every rank loads the file
+    (save it on rank 0, then reach a ``hvd.barrier()`` or similar before loading).
+
+    Args:
+        filepath: the ``.keras`` file.
+        custom_optimizers: optimizer classes defined by the user, registered by class name.
+        custom_objects: passed to ``keras.models.load_model``.
+        compression, op, gradient_predivide_factor, process_set: as in ``DistributedOptimizer``.
+        **kwargs: passed to ``keras.models.load_model``.
+    """
+    objects = dict(custom_objects or {})
+    for cls in custom_optimizers or ():
+        objects.setdefault(cls.__name__, cls)
+    model = keras.models.load_model(filepath, custom_objects=objects or None, **kwargs)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and not is_distributed(optimizer):
+        settings = _settings(op, gradient_predivide_factor, compression, process_set)
+        optimizer.__class__ = _distributed_class(type(optimizer))
+        object.__setattr__(optimizer, "_hvddp", settings)
+    return model

@@ -1,0 +1,111 @@
+"""``DistributedGradientTape``: a ``tf.GradientTape`` whose ``gradient`` averages across ranks."""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+import tensorflow as tf
+
+import hvddp
+from hvddp import Compression, ProcessSet, global_process_set
+
+from hvddp import _grouping
+from .ops import reduce_gradients
+
+__all__ = ["DistributedGradientTape", "source_label"]
+
+
+def source_label(source: Any, index: int) -> str:
+    """Return the name that identifies ``source``'s gradient across ranks.
+
+    Keras variables use ``variable.path``; ``tf.Variable`` its ``name``; other sources their
+    position in the list.
+    """
+    path = getattr(source, "path", None)
+    if isinstance(path, str) and path:
+        return path
+    if isinstance(source, tf.Variable):
+        return source.name
+    return f"source{index}"
+
+
+class _DistributedGradientTapeMixin:
+    """Methods added to the wrapped tape's class; state lives in the tape's own attributes."""
+
+    def gradient(self, target, sources, output_gradients=None,
+                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+        """Return the gradients of ``target``, averaged across ranks.
+
+        Same arguments as ``tf.GradientTape.gradient``. Every rank must call it with the same
+        sources (same names, shapes and dtypes, checked once per list). A ``None`` gradient is
+        reduced as zeros, so where another rank has a gradient this rank gets the average
+        rather than ``None``. Sparse gradients (``tf.IndexedSlices``) are reduced as dense ones.
+
+        Raises:
+            hvddp.MismatchError: ranks pass different sources (names the first difference).
+        """
+        grads = super().gradient(target, sources, output_gradients=output_gradients,
+                                 unconnected_gradients=unconnected_gradients)
+        flat_sources = tf.nest.flatten(sources)
+        flat_grads = tf.nest.flatten(grads, expand_composites=False)
+        if hvddp.size() == 1 and self._hvddp["process_set"] is global_process_set \
+                and self._hvddp["compression"] is Compression.none:
+            return grads
+        labels = [source_label(s, i) for i, s in enumerate(flat_sources)]
+        settings = self._hvddp
+        reduced: List[Any] = reduce_gradients(flat_grads, flat_sources, labels, "tf.grads", settings["op"],
+                                              settings["gradient_predivide_factor"], settings["compression"],
+                                              settings["process_set"])
+        return tf.nest.pack_sequence_as(sources, reduced)
+
+
+_classes = {}
+
+
+def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
+                            compression: Any = Compression.none, sparse_as_dense: bool = False,
+                            op: Any = hvddp.Average, gradient_predivide_factor: float = 1.0,
+                            num_groups: int = 0, groups: Any = None,
+                            process_set: ProcessSet = global_process_set) -> tf.GradientTape:
+    """Wrap ``gradtape`` so that ``gradient()`` averages the gradients across ranks.
+
+    The result is a ``tf.GradientTape`` (of a subclass of the tape's class) sharing the tape's
+    recording; wrap it after the ``with`` block, or wrap a fresh tape and enter the wrapper.
+    All of a call's gradients go to the engine as one group, named from the variables' paths.
+
+    Args:
+        gradtape: the ``tf.GradientTape`` to wrap.
+        device_dense, device_sparse, sparse_as_dense, num_groups, groups: accepted for Horovod
+            compatibility; hvddp always reduces one dense group per ``gradient()`` call.
+        compression: ``hvddp.Compression.none``, ``.fp16`` or ``.bf16``.
+        op: ``hvddp.Average`` (default) or ``hvddp.Sum``.
+        gradient_predivide_factor: divide by this before the sum and by ``size / factor`` after
+            (Average only).
+        process_set: the ranks that average.
+
+    Example:
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x))
+        tape = hvd.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+    """
+    if not isinstance(gradtape, tf.GradientTape):
+        raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape; Received: "
+                        f"gradtape={type(gradtape).__name__}.")
+    if isinstance(gradtape, _DistributedGradientTapeMixin):
+        raise ValueError("DistributedGradientTape: this tape is already distributed; wrap it once.")
+    op = _grouping.check_op(op, None, "DistributedGradientTape")
+    if op not in (hvddp.Average, hvddp.Sum):
+        raise ValueError(f"DistributedGradientTape: op must be hvddp.Average or hvddp.Sum; "
+                         f"Received: op={op!r}.")
+    factor = _grouping.check_predivide(op, gradient_predivide_factor, "DistributedGradientTape")
+    base = type(gradtape)
+    cls = _classes.get(base)
+    if cls is None:
+        cls = type(base.__name__, (_DistributedGradientTapeMixin, base), {"__module__": base.__module__})
+        _classes[base] = cls
+    tape = object.__new__(cls)
+    tape.__dict__.update(gradtape.__dict__)
+    tape._hvddp = {"op": op, "gradient_predivide_factor": factor, "compression": compression,
+                   "process_set": process_set}
+    return tape

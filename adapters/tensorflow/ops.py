@@ -1,0 +1,339 @@
+"""hvddp collectives as TensorFlow ops, usable eagerly and inside ``tf.function``.
+
+Each op runs the numpy-level core through ``tf.numpy_function`` (stateful, so inside a
+``tf.function`` TensorFlow keeps the collectives in program order). ``allreduce``,
+``grouped_allreduce``, ``allgather`` and ``broadcast`` have gradients. The ops cannot run inside
+XLA-compiled functions (``jit_compile=True``); they raise a ``ValueError`` that says so.
+
+Names: every collective matches across ranks by name. Without ``name=``, an eager call takes
+the next value of a per-process counter (so ranks must make the same unnamed calls in the same
+order) and a call inside ``tf.function`` gets a name fixed when the function is traced (the
+function's name plus a counter within its graph), so it is the same on every run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import numbers
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.ops import control_flow_util
+
+import hvddp
+from hvddp import Compression, ProcessSet, global_process_set
+
+from hvddp import _grouping
+
+__all__ = ["allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter"]
+
+_counters: Dict[str, Any] = {}
+
+
+def _auto_name(kind: str) -> str:
+    if tf.executing_eagerly():
+        counter = _counters.setdefault(kind, itertools.count())
+        return f"tf.{kind}.noname.{next(counter)}"
+    graph = tf.compat.v1.get_default_graph()
+    return f"tf.{kind}.{graph.name}/{graph.unique_name(kind)}"
+
+
+def _name(name: Optional[str], kind: str) -> str:
+    if name is None:
+        return _auto_name(kind)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{kind}: name must be a non-empty str or None; Received: name={name!r}.")
+    return name
+
+
+def _check_xla(fn: str) -> None:
+    if tf.executing_eagerly():
+        return
+    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        raise ValueError(
+            f"hvddp.tensorflow.{fn} cannot run inside an XLA-compiled function: hvddp's collectives "
+            f"call into Python (tf.numpy_function), which XLA cannot compile. Compile the step "
+            f"without XLA: tf.function(jit_compile=False), or model.compile(jit_compile=False) "
+            f"(jit_compile='auto' already turns XLA off for models with an hvddp optimizer).")
+
+
+def _dense(tensor: Any, fn: str) -> tf.Tensor:
+    if isinstance(tensor, tf.IndexedSlices):
+        tensor = tf.convert_to_tensor(tensor)  # hvddp reduces sparse gradients as dense ones
+    return tf.convert_to_tensor(tensor)
+
+
+def _set_rank(process_set: ProcessSet) -> int:
+    return process_set.rank()
+
+
+def _size(process_set: ProcessSet) -> int:
+    return process_set.size()
+
+
+def _py(fn, inputs: List[tf.Tensor], touts: List[tf.DType], op_name: str):
+    return tf.numpy_function(fn, inputs, touts, stateful=True, name=op_name)
+
+
+# allreduce --------------------------------------------------------------------------------
+def _allreduce_raw(tensor: tf.Tensor, name: str, op, pre: float, post: float, compression,
+                   process_set: ProcessSet) -> tf.Tensor:
+    def body(x):
+        c, ctx = compression.compress(np.asarray(x))
+        out = hvddp.allreduce(c, name=name, op=op, prescale_factor=pre, postscale_factor=post,
+                              process_set=process_set)
+        return np.asarray(compression.decompress(out, ctx), dtype=x.dtype)
+
+    out = _py(body, [tensor], [tensor.dtype], "HvddpAllreduce")
+    out = out[0] if isinstance(out, (list, tuple)) else out
+    out.set_shape(tensor.shape)
+    return out
+
+
+def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "", device_sparse: str = "",
+              compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """Reduce ``tensor`` across ranks; return a tensor of the same shape and dtype.
+
+    Every member of ``process_set`` must run the op with the same name, dtype, shape, op and
+    scale factors. Blocks until every rank has contributed (inside a ``tf.function``, when the
+    op executes). A size-1 run returns ``postscale * prescale * tensor`` (Average: the tensor).
+    ``tf.IndexedSlices`` are reduced as dense tensors. The gradient of an Average (Sum) allreduce
+    is the Average (Sum) allreduce of the incoming gradient with the same scale factors.
+
+    Args:
+        tensor: a ``tf.Tensor`` (or anything ``tf.convert_to_tensor`` takes).
+        average: legacy flag; True is ``op=Average``, False ``op=Sum``.
+        device_dense, device_sparse: accepted for Horovod compatibility; ignored.
+        compression: ``hvddp.Compression.none``, ``.fp16`` or ``.bf16``, applied around the reduction.
+        op: ``hvddp.Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        prescale_factor, postscale_factor: multiply the input before and the result after.
+        name: the name that matches this op across ranks (see the module docstring when None).
+        process_set: the ranks taking part.
+
+    Raises:
+        ValueError: a bad argument, or the op is traced under XLA.
+        hvddp.MismatchError (eagerly; wrapped in a ``tf.errors`` error in graphs): ranks disagree.
+
+    Example:
+        mean = hvddp.tensorflow.allreduce(tf.constant([1.0 * hvd.rank()]), name="mean_rank")
+    """
+    op = _grouping.check_op(op, average, "allreduce")
+    pre = float(prescale_factor)
+    post = float(postscale_factor)
+    tensor = _dense(tensor, "allreduce")
+    name = _name(name, "allreduce")
+    _check_xla("allreduce")
+    if op not in (hvddp.Average, hvddp.Sum):
+        return _allreduce_raw(tensor, name, op, pre, post, compression, process_set)
+
+    @tf.custom_gradient
+    def _op(x):
+        def grad(dy):
+            return allreduce(dy, compression=compression, op=op, prescale_factor=pre,
+                             postscale_factor=post, name=name + ".grad", process_set=process_set)
+        return _allreduce_raw(x, name, op, pre, post, compression, process_set), grad
+
+    return _op(tensor)
+
+
+def _grouped_raw(tensors: List[tf.Tensor], base: str, labels: Sequence[str], op, pre, post, compression,
+                 process_set) -> List[tf.Tensor]:
+    def body(*xs):
+        return _grouping.reduce_group(xs, base, labels, op, pre, post, compression, process_set)
+
+    outs = _py(body, tensors, [t.dtype for t in tensors], "HvddpGroupedAllreduce")
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    for o, t in zip(outs, tensors):
+        o.set_shape(t.shape)
+    return outs
+
+
+def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, device_dense: str = "",
+                      device_sparse: str = "", compression: Any = Compression.none, op: Any = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      name: Optional[str] = None, process_set: ProcessSet = global_process_set
+                      ) -> List[tf.Tensor]:
+    """Reduce a list of tensors as one atomic group (one op, one engine submission).
+
+    Members are named ``<name>.<i>``. Same contract as ``allreduce`` for each member.
+    """
+    op = _grouping.check_op(op, average, "grouped_allreduce")
+    tensors = [_dense(t, "grouped_allreduce") for t in tensors]
+    if not tensors:
+        return []
+    name = _name(name, "grouped_allreduce")
+    _check_xla("grouped_allreduce")
+    pre, post = float(prescale_factor), float(postscale_factor)
+    labels = [f"{name}.{i}" for i in range(len(tensors))]
+    if op not in (hvddp.Average, hvddp.Sum):
+        return _grouped_raw(tensors, name, labels, op, pre, post, compression, process_set)
+
+    @tf.custom_gradient
+    def _op(*xs):
+        def grad(*dys):
+            return grouped_allreduce(list(dys), compression=compression, op=op, prescale_factor=pre,
+                                     postscale_factor=post, name=name + ".grad", process_set=process_set)
+        return _grouped_raw(list(xs), name, labels, op, pre, post, compression, process_set), grad
+
+    return list(_op(*tensors))
+
+
+def reduce_gradients(grads: Sequence[Any], sources: Sequence[Any], labels: Sequence[str], prefix: str,
+                     op: Any, gradient_predivide_factor: float, compression: Any,
+                     process_set: ProcessSet) -> List[tf.Tensor]:
+    """Average a step's gradients as one grouped submission named from the variables' paths.
+
+    ``None`` gradients are reduced as zeros (every rank submits the same names), so the result
+    is never ``None``. Used by ``DistributedGradientTape`` and ``hvddp.keras``.
+    """
+    _check_xla("DistributedGradientTape/DistributedOptimizer")
+    dense = []
+    for g, s in zip(grads, sources):
+        if g is None:
+            dense.append(tf.zeros_like(tf.convert_to_tensor(s)))
+        else:
+            dense.append(_dense(g, "gradient"))
+    if not dense:
+        return []
+    size = _size(process_set)
+    red_op, pre, post = _grouping.average_factors(op, gradient_predivide_factor, size)
+    base = _grouping.group_name(prefix, labels)
+    _grouping.check_group_once(base, labels, [tuple(t.shape) for t in dense],
+                               [t.dtype.name for t in dense], process_set)
+    return _grouped_raw(dense, base, labels, red_op, pre, post, compression, process_set)
+
+
+# allgather --------------------------------------------------------------------------------
+def allgather(tensor: Any, name: Optional[str] = None, process_set: ProcessSet = global_process_set
+              ) -> tf.Tensor:
+    """Concatenate every rank's ``tensor`` along the first dimension, in rank order.
+
+    The first dimension may differ across ranks; dtype and the other dimensions must match.
+    The gradient sums the incoming gradient across ranks and returns this rank's rows.
+    """
+    tensor = _dense(tensor, "allgather")
+    if tensor.shape.rank == 0:
+        raise ValueError("allgather: tensor is 0-d; pass at least a 1-d tensor (e.g. tf.reshape(t, [1])).")
+    name = _name(name, "allgather")
+    _check_xla("allgather")
+
+    def body(x):
+        return np.asarray(hvddp.allgather(x, name=name, process_set=process_set), dtype=x.dtype)
+
+    def grad_body(dy, rows):
+        total = hvddp.allreduce(dy, name=name + ".grad", op=hvddp.Sum, process_set=process_set)
+        sizes = hvddp.allgather(np.asarray([rows], dtype=np.int64), name=name + ".grad.rows",
+                                process_set=process_set)
+        start = int(sizes[:_set_rank(process_set)].sum())
+        return np.ascontiguousarray(total[start:start + int(rows)])
+
+    @tf.custom_gradient
+    def _op(x):
+        out = _py(body, [x], [x.dtype], "HvddpAllgather")
+        out = out[0] if isinstance(out, (list, tuple)) else out
+        out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
+
+        def grad(dy):
+            rows = tf.shape(x, out_type=tf.int64)[0]
+            g = _py(grad_body, [dy, rows], [dy.dtype], "HvddpAllgatherGrad")
+            g = g[0] if isinstance(g, (list, tuple)) else g
+            g.set_shape(x.shape)
+            return g
+        return out, grad
+
+    return _op(tensor)
+
+
+# broadcast --------------------------------------------------------------------------------
+def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """Return ``root_rank``'s ``tensor`` on every rank (shape and dtype must match).
+
+    The gradient is the sum of the incoming gradients on ``root_rank`` and zero elsewhere.
+    """
+    _check_root(root_rank, process_set, "broadcast")
+    tensor = _dense(tensor, "broadcast")
+    name = _name(name, "broadcast")
+    _check_xla("broadcast")
+
+    def body(x):
+        return np.asarray(hvddp.broadcast(x, root_rank, name=name, process_set=process_set), dtype=x.dtype)
+
+    @tf.custom_gradient
+    def _op(x):
+        out = _py(body, [x], [x.dtype], "HvddpBroadcast")
+        out = out[0] if isinstance(out, (list, tuple)) else out
+        out.set_shape(x.shape)
+
+        def grad(dy):
+            total = allreduce(dy, op=hvddp.Sum, name=name + ".grad", process_set=process_set)
+            return total if _set_rank(process_set) == root_rank else tf.zeros_like(total)
+        return out, grad
+
+    return _op(tensor)
+
+
+def _check_root(root_rank: Any, process_set: ProcessSet, fn: str) -> None:
+    if isinstance(root_rank, bool) or not isinstance(root_rank, numbers.Integral):
+        raise TypeError(f"{fn}: root_rank must be an int; Received: root_rank={root_rank!r}.")
+    if not 0 <= root_rank < _size(process_set):
+        raise ValueError(f"{fn}: root_rank must be in [0, {_size(process_set)}); "
+                         f"Received: root_rank={root_rank}.")
+
+
+# alltoall, reducescatter (no gradients) ----------------------------------------------------
+def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
+             process_set: ProcessSet = global_process_set) -> Tuple[tf.Tensor, tf.Tensor]:
+    """Send ``splits[i]`` rows of ``tensor`` to rank ``i``; gather the rows sent to this rank.
+
+    Without ``splits`` the first dimension is split evenly (it must divide by the number of
+    ranks). Returns ``(received, received_splits)`` as in Horovod 0.28. No gradient.
+    """
+    tensor = _dense(tensor, "alltoall")
+    name = _name(name, "alltoall")
+    _check_xla("alltoall")
+    size = _size(process_set)
+    if splits is None:
+        splits_t = tf.zeros([0], tf.int64)
+    else:
+        splits_t = tf.cast(tf.reshape(tf.convert_to_tensor(splits), [-1]), tf.int64)
+
+    def body(x, s):
+        given = None if s.size == 0 else [int(v) for v in s]
+        out, received = hvddp.alltoall_async(x, given, name=name, process_set=process_set).wait()
+        return np.asarray(out, dtype=x.dtype), np.asarray(received, dtype=np.int64)
+
+    out, received = _py(body, [tensor, splits_t], [tensor.dtype, tf.int64], "HvddpAlltoall")
+    out.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
+    received.set_shape([size])
+    return out, received
+
+
+def reducescatter(tensor: Any, name: Optional[str] = None, op: Any = None,
+                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> tf.Tensor:
+    """Reduce ``tensor`` across ranks and return this rank's rows (first ``rows % size`` ranks
+    get one more). ``op`` defaults to Average. No gradient."""
+    op = _grouping.check_op(op, None, "reducescatter")
+    tensor = _dense(tensor, "reducescatter")
+    if tensor.shape.rank == 0:
+        raise ValueError("reducescatter: tensor is 0-d; pass at least a 1-d tensor.")
+    name = _name(name, "reducescatter")
+    _check_xla("reducescatter")
+    pre, post = float(prescale_factor), float(postscale_factor)
+
+    def body(x):
+        return np.asarray(hvddp.reducescatter(x, name=name, op=op, process_set=process_set,
+                                              prescale_factor=pre, postscale_factor=post), dtype=x.dtype)
+
+    out = _py(body, [tensor], [tensor.dtype], "HvddpReducescatter")
+    out = out[0] if isinstance(out, (list, tuple)) else out
+    rows = tensor.shape[0]
+    if rows is not None:
+        size, rank = _size(process_set), _set_rank(process_set)
+        rows = rows // size + (1 if rank < rows % size else 0)
+    out.set_shape(tf.TensorShape([rows]).concatenate(tensor.shape[1:]))
+    return out

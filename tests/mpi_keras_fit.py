@@ -1,0 +1,335 @@
+"""Rank-side tests of hvddp.keras, run on every rank at once by tests/test_keras.py.
+
+The backend comes from KERAS_BACKEND. Inputs depend on the rank, so every rank can assert the
+exact result; each test ends with a cross-rank check that the replicas are identical.
+"""
+
+import os
+import tempfile
+
+import numpy as np
+import pytest
+
+import keras
+from keras import layers, ops
+
+import hvddp.keras as hvd
+
+hvd.init()
+RANK, SIZE = hvd.rank(), hvd.size()
+BACKEND = keras.backend.backend()
+GLOBAL_BATCH = 12  # divides by 2 and 3
+STEPS = 3
+
+
+class Unused(layers.Layer):
+    """Identity with a trainable weight the loss never touches (a None gradient on TF/torch)."""
+
+    def build(self, shape):
+        self.unused = self.add_weight(shape=(3,), initializer="ones", name="unused")
+
+    def call(self, x):
+        return x
+
+
+def make_model(seed=0, units=8, unused=True):
+    keras.utils.set_random_seed(seed)
+    middle = [Unused()] if unused else []
+    return keras.Sequential([keras.Input((5,)), layers.Dense(units, activation="tanh"), *middle,
+                             layers.Dense(3)])
+
+
+def global_data(seed=1):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(STEPS * GLOBAL_BATCH, 5)).astype("float32")
+    y = rng.integers(0, 3, size=(STEPS * GLOBAL_BATCH,)).astype("int32")
+    return x, y
+
+
+def shard(a):
+    """This rank's rows of every global batch, in batch order."""
+    per = GLOBAL_BATCH // SIZE
+    rows = [a[b * GLOBAL_BATCH + RANK * per: b * GLOBAL_BATCH + (RANK + 1) * per] for b in range(STEPS)]
+    return np.concatenate(rows)
+
+
+def assert_replicas_identical(weights, name):
+    flat = np.concatenate([np.asarray(w, dtype=np.float64).ravel() for w in weights])
+    every = hvd.allgather(flat[None, :], name=f"test.replicas.{name}")
+    for r in range(SIZE):
+        np.testing.assert_array_equal(every[r], every[0], err_msg=f"rank {r} differs from rank 0")
+
+
+@pytest.mark.parametrize("opt", ["adam", "sgd"])
+def test_fit_parity(opt):
+    """K steps of fit on shards == one process fitting the whole batches; replicas identical."""
+    make_opt = {"adam": lambda: keras.optimizers.Adam(0.01),
+                "sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.9)}[opt]
+    x, y = global_data()
+    model = make_model()
+    initial = model.get_weights()
+    model.compile(optimizer=hvd.DistributedOptimizer(make_opt()), loss="sparse_categorical_crossentropy")
+    assert type(model.optimizer).__name__ == type(make_opt()).__name__
+    assert hvd.is_distributed(model.optimizer)
+    model.fit(shard(x), shard(y), batch_size=GLOBAL_BATCH // SIZE, epochs=1, shuffle=False, verbose=0)
+
+    reference = make_model()
+    reference.set_weights(initial)
+    reference.compile(optimizer=make_opt(), loss="sparse_categorical_crossentropy")
+    reference.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    assert int(ops.convert_to_numpy(model.optimizer.iterations)) == STEPS
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # The weights moved, and the unused weight got zero updates (its gradient is None or 0).
+    assert not np.allclose(model.get_weights()[0], initial[0])
+    np.testing.assert_array_equal(model.layers[1].unused.numpy() if BACKEND != "torch"
+                                  else ops.convert_to_numpy(model.layers[1].unused), np.ones(3))
+    assert_replicas_identical(model.get_weights(), f"parity.{opt}")
+
+
+def test_backward_passes_per_step():
+    """Two batches per update, gradients summed over the passes (Horovod's default)."""
+    x, y = global_data()
+    model = make_model(unused=False)
+    initial = model.get_weights()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2),
+                  loss="sparse_categorical_crossentropy")
+    model.fit(shard(x), shard(y), batch_size=GLOBAL_BATCH // SIZE, epochs=1, shuffle=False, verbose=0)
+    reference = make_model(unused=False)
+    reference.set_weights(initial)
+    # Keras averages the accumulated passes; twice the rate gives the sum.
+    reference.compile(optimizer=keras.optimizers.SGD(0.2, gradient_accumulation_steps=2),
+                      loss="sparse_categorical_crossentropy")
+    reference.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(model.get_weights()[0], initial[0])
+    assert_replicas_identical(model.get_weights(), "passes")
+
+
+def test_broadcast_callback_equalises_replicas():
+    model = make_model(seed=100 + RANK)  # different initial weights on every rank
+    root_initial = hvd.broadcast_object(model.get_weights(), root_rank=0, name="test.root_initial")
+    if SIZE > 1:
+        assert not np.allclose(hvd.allgather(model.get_weights()[0][None], name="test.init0")[0],
+                               hvd.allgather(model.get_weights()[0][None], name="test.init1")[1])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.0)), loss="mse")
+    x, y = global_data()
+    model.fit(shard(x), keras.utils.to_categorical(shard(y), 3), batch_size=4, epochs=1, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    for got, want in zip(model.get_weights(), root_initial):  # learning rate 0: still rank 0's
+        np.testing.assert_array_equal(got, want)
+    assert_replicas_identical(model.get_weights(), "bcast")
+
+
+def test_metric_average_callback():
+    local = {}
+
+    class Record(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            local[epoch] = dict(logs)
+
+    model = make_model()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse", metrics=["mae"])
+    x = np.full((8, 5), 0.1 * (RANK + 1), "float32")
+    y = np.full((8, 3), float(RANK), "float32")  # the loss differs per rank
+    history = model.fit(x, y, batch_size=4, epochs=2, verbose=0,
+                        callbacks=[Record(), hvd.callbacks.MetricAverageCallback()])
+    for epoch in range(2):
+        every = hvd.allgather_object(local[epoch], name=f"test.metrics.{epoch}")
+        for key in ("loss", "mae"):
+            want = np.mean([logs[key] for logs in every])
+            assert history.history[key][epoch] == pytest.approx(want, rel=1e-6)
+            if SIZE > 1:
+                assert every[0][key] != pytest.approx(every[1][key])
+
+
+def _linear_model():
+    model = keras.Sequential([keras.Input((1,)), layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+    # d(loss)/d(w) = mean(x) = 1 on every rank, so each step moves w by exactly -lr.
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(1.0)),
+                  loss=lambda y_true, y_pred: ops.mean(y_pred))
+    return model
+
+
+class _RecordWeight(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.values = []
+        self.logged_lr = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        if hasattr(self.model, "jax_state_sync"):
+            self.model.jax_state_sync()
+        self.values.append(float(self.model.get_weights()[0][0, 0]))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.logged_lr.append(logs["learning_rate"])
+
+
+def test_warmup_callback_learning_rates():
+    steps, epochs, warmup, initial_lr = 3, 3, 2, 0.3
+    model = _linear_model()
+    record = _RecordWeight()
+    x, y = np.ones((steps * 2, 1), "float32"), np.zeros((steps * 2, 1), "float32")
+    model.fit(x, y, batch_size=2, epochs=epochs, verbose=0, shuffle=False,
+              callbacks=[hvd.callbacks.LearningRateWarmupCallback(initial_lr, warmup_epochs=warmup), record])
+    used = -np.diff([0.0] + record.values)  # the learning rate of every step
+    want = []
+    for epoch in range(epochs):
+        for batch in range(steps):
+            if epoch < warmup:
+                e = epoch + batch / steps + 1 / steps
+                want.append(initial_lr / SIZE * (e * (SIZE - 1) / warmup + 1))
+            else:
+                want.append(want[-1])  # after the warm-up the rate stays where it ended
+    np.testing.assert_allclose(used, want, rtol=1e-5, atol=1e-6)  # float32 weights near 1
+    assert want[warmup * steps - 1] == pytest.approx(initial_lr)
+    np.testing.assert_allclose(record.logged_lr, [want[2], want[5], want[8]], rtol=1e-6)
+
+
+def test_schedule_callback_staircase():
+    steps = 2
+    model = _linear_model()
+    record = _RecordWeight()
+    x, y = np.ones((steps * 2, 1), "float32"), np.zeros((steps * 2, 1), "float32")
+    model.fit(x, y, batch_size=2, epochs=4, verbose=0, shuffle=False,
+              callbacks=[hvd.callbacks.LearningRateScheduleCallback(0.5, lambda e: 0.1 ** e, start_epoch=1,
+                                                                    end_epoch=3), record])
+    used = -np.diff([0.0] + record.values)
+    want = [1.0] * steps + [0.05] * steps + [0.005] * steps + [0.005] * steps
+    np.testing.assert_allclose(used, want, rtol=1e-5, atol=1e-6)  # float32 weights near 1
+
+
+def test_save_and_reload():
+    x, y = global_data()
+    model = make_model(unused=False)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)),
+                  loss="sparse_categorical_crossentropy")
+    # The optimizer serializes exactly as a plain Keras Adam.
+    assert keras.saving.serialize_keras_object(model.optimizer) == \
+        keras.saving.serialize_keras_object(keras.optimizers.Adam.from_config(model.optimizer.get_config()))
+    model.fit(shard(x), shard(y), batch_size=GLOBAL_BATCH // SIZE, epochs=1, shuffle=False, verbose=0)
+    directory = hvd.broadcast_object(tempfile.mkdtemp() if RANK == 0 else None, 0, name="test.savedir")
+    path = os.path.join(directory, "model.keras")
+    if RANK == 0:
+        model.save(path)
+    hvd.barrier()
+    plain = keras.models.load_model(path)  # no hvddp class in the file
+    assert isinstance(plain.optimizer, keras.optimizers.Adam) and type(plain.optimizer).__name__ == "Adam"
+    assert not hvd.is_distributed(plain.optimizer)
+    again = hvd.load_model(path)
+    assert hvd.is_distributed(again.optimizer) and type(again.optimizer).__name__ == "Adam"
+    assert int(ops.convert_to_numpy(again.optimizer.iterations)) == STEPS
+    for a, b in zip(again.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    before = again.get_weights()
+    again.fit(shard(x)[:GLOBAL_BATCH // SIZE] * (RANK + 1), shard(y)[:GLOBAL_BATCH // SIZE],
+              batch_size=GLOBAL_BATCH // SIZE, epochs=1, verbose=0)
+    assert not np.allclose(again.get_weights()[0], before[0])
+    assert_replicas_identical(again.get_weights(), "reload")  # rank-dependent data, averaged
+    hvd.barrier()
+
+
+@pytest.mark.parametrize("wrapping", ["by_compile", "explicit"])
+def test_mixed_precision_skips_the_same_steps(wrapping):
+    """One rank overflows on step 2; the reduction precedes the finite check, so all ranks skip it.
+
+    by_compile: compile() puts its LossScaleOptimizer around the DistributedOptimizer;
+    explicit: DistributedOptimizer(LossScaleOptimizer(SGD)).
+    """
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = make_model()
+        sgd = keras.optimizers.SGD(0.01)
+        optimizer = hvd.DistributedOptimizer(sgd if wrapping == "by_compile"
+                                             else keras.optimizers.LossScaleOptimizer(sgd))
+        # A small loss keeps the scaled float16 gradients finite, except where we make them overflow.
+        model.compile(optimizer=optimizer, loss=lambda y_true, y_pred: 0.01 * keras.losses.
+                      sparse_categorical_crossentropy(y_true, y_pred))
+        x, y = global_data()
+        xs = shard(x)
+        per = GLOBAL_BATCH // SIZE
+        if RANK == SIZE - 1:
+            xs[per:2 * per] *= 1e5  # float16 overflow in step 2 on one rank only
+        model.fit(xs, shard(y), batch_size=per, epochs=1, shuffle=False, verbose=0)
+        optimizer = model.optimizer
+        assert isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        assert type(optimizer).__name__ == "LossScaleOptimizer" and hvd.is_distributed(optimizer)
+        scale = float(ops.convert_to_numpy(optimizer.dynamic_scale))
+        # Exactly one step skipped on every rank (without the fix the other ranks would wait
+        # in the reduction of the step the overflowing rank skipped).
+        assert scale == optimizer.initial_scale / 2
+        assert int(ops.convert_to_numpy(optimizer.inner_optimizer.iterations)) == STEPS - 1
+        assert_replicas_identical(model.get_weights() + [np.array([scale])], "mixed")
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_jit_compile():
+    x, y = global_data()
+    model = make_model()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                  loss="sparse_categorical_crossentropy", jit_compile="auto")
+    if BACKEND == "tensorflow":
+        assert model.jit_compile is False  # "auto" never picks XLA for an hvddp optimizer on TF
+        # Where Keras' "auto" would pick XLA (a GPU is present), it still does for other models
+        # but not for one with an hvddp optimizer. Only the device list is faked here.
+        from unittest import mock
+
+        import tensorflow as tf
+
+        gpu = [tf.config.PhysicalDevice("/physical_device:GPU:0", "GPU")]
+        with mock.patch.object(tf.config, "list_physical_devices", lambda *args: gpu):
+            plain = make_model(unused=False)
+            plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile="auto")
+            assert plain.jit_compile is True
+            model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse",
+                          jit_compile="auto")
+            assert model.jit_compile is False
+        model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                      loss="sparse_categorical_crossentropy", jit_compile=True)
+        with pytest.raises(ValueError, match="jit_compile=False"):
+            model.fit(shard(x), shard(y), batch_size=GLOBAL_BATCH // SIZE, epochs=1, verbose=0)
+    else:
+        if BACKEND == "jax":
+            assert model.jit_compile is True  # the reduction runs inside jax.jit (io_callback)
+        model.fit(shard(x) * (RANK + 1), shard(y), batch_size=GLOBAL_BATCH // SIZE, epochs=1, verbose=0)
+        assert_replicas_identical(model.get_weights(), "jit")
+
+
+def test_helpers_on_numpy_and_tensors():
+    value = np.arange(4, dtype="float32") + 100 * RANK
+    mean = np.arange(4) + 100 * (SIZE - 1) / 2
+    np.testing.assert_allclose(hvd.allreduce(value, name="test.h.np"), mean)
+    tensor = ops.convert_to_tensor(value)
+    out = hvd.allreduce(tensor, name="test.h.tensor", op=hvd.Sum)
+    assert type(out) is type(tensor)
+    np.testing.assert_allclose(ops.convert_to_numpy(out), np.arange(4) * SIZE + 100 * SIZE * (SIZE - 1) / 2)
+    variable = keras.Variable(value)
+    np.testing.assert_allclose(ops.convert_to_numpy(hvd.allreduce(variable, name="test.h.var")), mean)
+    gathered = hvd.allgather(ops.reshape(tensor, (1, 4)), name="test.h.gather")
+    np.testing.assert_allclose(ops.convert_to_numpy(gathered)[:, 0], 100 * np.arange(SIZE))
+    np.testing.assert_allclose(ops.convert_to_numpy(hvd.broadcast(tensor, 0, name="test.h.bcast")),
+                               np.arange(4))
+    if BACKEND == "jax":
+        import jax
+
+        jitted = jax.jit(lambda t: hvd.allreduce(t, name="test.h.jit") * 2)
+        np.testing.assert_allclose(np.asarray(jitted(tensor)), mean * 2)
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        fn = tf.function(lambda t: hvd.allreduce(t, name="test.h.tf") * 2)
+        np.testing.assert_allclose(fn(tensor).numpy(), mean * 2)
+
+
+def test_mismatched_models_raise_on_every_rank():
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    model = make_model(units=8 if RANK == 0 else 9)  # a different model on the other ranks
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                  loss="sparse_categorical_crossentropy")
+    x, y = global_data()
+    with pytest.raises(Exception, match="differ across ranks"):
+        model.fit(shard(x), shard(y), batch_size=GLOBAL_BATCH // SIZE, epochs=1, verbose=0)

@@ -1,0 +1,176 @@
+"""Rank-side tests of hvddp.tensorflow, run on every rank at once by tests/test_tensorflow.py."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import hvddp.tensorflow as hvd
+
+hvd.init()
+RANK, SIZE = hvd.rank(), hvd.size()
+GLOBAL_BATCH = 12
+STEPS = 3
+
+
+def assert_replicas_identical(arrays, name):
+    flat = np.concatenate([np.asarray(a, dtype=np.float64).ravel() for a in arrays])
+    every = hvd.allgather(tf.constant(flat[None, :]), name=f"test.replicas.{name}").numpy()
+    for r in range(SIZE):
+        np.testing.assert_array_equal(every[r], every[0], err_msg=f"rank {r} differs from rank 0")
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_ops(mode):
+    wrap = (lambda f: f) if mode == "eager" else tf.function
+    x = tf.constant(np.arange(6, dtype=np.float32).reshape(3, 2) + 100 * RANK)
+    mean = np.arange(6).reshape(3, 2) + 100 * (SIZE - 1) / 2
+
+    @wrap
+    def run(x):
+        return (hvd.allreduce(x, name=f"t.{mode}.avg"), hvd.allreduce(x, op=hvd.Sum, name=f"t.{mode}.sum"),
+                hvd.allreduce(x, op=hvd.Max), hvd.grouped_allreduce([x, 2 * x], name=f"t.{mode}.group"),
+                hvd.allgather(x[: RANK + 1]), hvd.broadcast(x, SIZE - 1), hvd.reducescatter(x, op=hvd.Sum),
+                hvd.allreduce(tf.cast(x, tf.int32), op=hvd.Min, name=f"t.{mode}.int"))
+
+    for _ in range(2):  # a second run of the same traced graph reuses its names
+        avg, total, biggest, group, gathered, bcast, scattered, smallest = run(x)
+        np.testing.assert_allclose(avg.numpy(), mean)
+        np.testing.assert_allclose(total.numpy(), mean * SIZE)
+        np.testing.assert_allclose(biggest.numpy(), np.arange(6).reshape(3, 2) + 100 * (SIZE - 1))
+        np.testing.assert_allclose(group[1].numpy(), 2 * mean)
+        rows = sum(r + 1 for r in range(SIZE))
+        assert gathered.shape == (rows, 2)
+        np.testing.assert_allclose(gathered.numpy()[:, 0], np.concatenate(
+            [np.arange(0, 2 * (r + 1), 2) + 100 * r for r in range(SIZE)]))
+        np.testing.assert_allclose(bcast.numpy(), np.arange(6).reshape(3, 2) + 100 * (SIZE - 1))
+        lo = sum(3 // SIZE + (1 if r < 3 % SIZE else 0) for r in range(RANK))
+        np.testing.assert_allclose(scattered.numpy(), (mean * SIZE)[lo: lo + scattered.shape[0]])
+        assert smallest.dtype == tf.int32 and smallest.numpy()[0, 0] == 0
+
+
+def test_alltoall_with_splits():
+    splits = [r + 1 for r in range(SIZE)]
+    tensor = tf.range(sum(splits)) + 100 * RANK
+    out, received = hvd.alltoall(tensor, splits=splits, name="t.alltoall")
+    np.testing.assert_array_equal(received.numpy(), [RANK + 1] * SIZE)
+    start = sum(splits[:RANK])
+    want = np.concatenate([np.arange(start, start + RANK + 1) + 100 * r for r in range(SIZE)])
+    np.testing.assert_array_equal(out.numpy(), want)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_gradients(mode):
+    wrap = (lambda f: f) if mode == "eager" else tf.function
+    x = tf.constant([1.0, 2.0]) * (RANK + 1)
+
+    @wrap
+    def grads(x):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            weight = float(RANK + 1)
+            reduced = tf.reduce_sum(hvd.allreduce(x, name=f"g.{mode}.ar") * weight)
+            gathered = tf.reduce_sum(hvd.allgather(x, name=f"g.{mode}.ag") * weight)
+            bcast = tf.reduce_sum(hvd.broadcast(x, 0, name=f"g.{mode}.bc") * weight)
+        return [tape.gradient(t, x) for t in (reduced, gathered, bcast)]
+
+    d_reduce, d_gather, d_bcast = [g.numpy() for g in grads(x)]
+    weights = np.arange(1, SIZE + 1, dtype=np.float32)
+    np.testing.assert_allclose(d_reduce, [weights.mean()] * 2)  # Average of the upstream gradients
+    np.testing.assert_allclose(d_gather, [weights.sum()] * 2)  # Sum over ranks, own rows
+    np.testing.assert_allclose(d_bcast, [weights.sum() if RANK == 0 else 0.0] * 2)
+
+
+def test_xla_raises_a_clear_error():
+    @tf.function(jit_compile=True)
+    def step(x):
+        return hvd.allreduce(x, name="xla")
+
+    with pytest.raises(ValueError, match="XLA"):
+        step(tf.ones([2]))
+
+
+def test_compression_and_predivide():
+    x = tf.constant([1.0, 3.0]) * (RANK + 1)
+    mean = np.array([1.0, 3.0]) * (SIZE + 1) / 2
+    out = hvd.allreduce(x, compression=hvd.Compression.fp16, name="t.fp16")
+    assert out.dtype == tf.float32
+    np.testing.assert_allclose(out.numpy(), mean, rtol=1e-3)
+    v = tf.Variable([1.0, 1.0])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(v * x)
+    tape = hvd.DistributedGradientTape(tape, gradient_predivide_factor=2.0)
+    np.testing.assert_allclose(tape.gradient(loss, [v])[0].numpy(), mean, rtol=1e-6)
+
+
+def _mlp(seed):
+    rng = np.random.default_rng(seed)
+    return [tf.Variable(rng.normal(size=(5, 8)).astype("float32"), name="w1"),
+            tf.Variable(np.zeros(8, "float32"), name="b1"),
+            tf.Variable(rng.normal(size=(8, 3)).astype("float32"), name="w2"),
+            tf.Variable(np.ones(3, "float32"), name="unused")]  # no gradient: reduced as zeros
+
+
+def _loss(variables, x, y):
+    w1, b1, w2, _ = variables
+    logits = tf.tanh(x @ w1 + b1) @ w2
+    return tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_custom_loop_parity(mode):
+    """K steps on shards with DistributedGradientTape == one process on the whole batches."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(STEPS * GLOBAL_BATCH, 5)).astype("float32")
+    y = rng.integers(0, 3, size=STEPS * GLOBAL_BATCH).astype("int32")
+    per = GLOBAL_BATCH // SIZE
+    wrap = (lambda f: f) if mode == "eager" else tf.function
+
+    def train(variables, distributed, batches):
+        optimizer = tf.keras.optimizers.SGD(0.1, momentum=0.9)
+
+        @wrap
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = _loss(variables, xb, yb)
+            if distributed:
+                tape = hvd.DistributedGradientTape(tape)
+            grads = tape.gradient(loss, variables)
+            if distributed:
+                assert grads[3] is not None  # a None gradient comes back as the (zero) average
+            grads_and_vars = [(g, v) for g, v in zip(grads, variables) if g is not None]
+            optimizer.apply_gradients(grads_and_vars)
+            return loss
+
+        for xb, yb in batches:
+            step(tf.constant(xb), tf.constant(yb))
+        return [v.numpy() for v in variables]
+
+    mine = [(x[b * GLOBAL_BATCH + RANK * per: b * GLOBAL_BATCH + (RANK + 1) * per],
+             y[b * GLOBAL_BATCH + RANK * per: b * GLOBAL_BATCH + (RANK + 1) * per]) for b in range(STEPS)]
+    whole = [(x[b * GLOBAL_BATCH:(b + 1) * GLOBAL_BATCH], y[b * GLOBAL_BATCH:(b + 1) * GLOBAL_BATCH])
+             for b in range(STEPS)]
+    distributed = train(_mlp(0), True, mine)
+    reference = train(_mlp(0), False, whole)
+    for got, want in zip(distributed, reference):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(distributed[0], _mlp(0)[0].numpy())
+    assert_replicas_identical(distributed, f"tape.{mode}")
+
+
+def test_broadcast_variables():
+    variables = _mlp(seed=10 + RANK)
+    root = hvd.broadcast_object([v.numpy() for v in variables], 0, name="t.root")
+    hvd.broadcast_variables(variables, root_rank=0)
+    for v, want in zip(variables, root):
+        np.testing.assert_array_equal(v.numpy(), want)
+
+
+def test_tape_mismatch_names_the_variable():
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    v = tf.Variable(tf.ones([2 + (RANK > 0)]), name="odd_one")
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(v * v)
+    tape = hvd.DistributedGradientTape(tape)
+    with pytest.raises(hvd.MismatchError, match="odd_one"):
+        tape.gradient(loss, [v])
