@@ -95,13 +95,13 @@ def main():
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
-    hvddp.init()
     comm = MPI.COMM_WORLD.Dup()
     rank, size = comm.Get_rank(), comm.Get_size()
-    try:
+    try:  # before init(): hvddp's engine thread inherits the affinity it is started with
         os.sched_setaffinity(0, {rank % os.cpu_count()})
     except (AttributeError, OSError):
         pass
+    hvddp.init()
     rng = np.random.default_rng(rank)
     workloads = {
         "200 x 100 KiB": [rng.standard_normal(25600).astype(np.float32) for _ in range(200)],

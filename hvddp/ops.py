@@ -202,7 +202,8 @@ def _submit(state, entries: List[Entry]) -> None:
 
 
 # allreduce --------------------------------------------------------------------------------
-def _allreduce_one(tensor: Any, name: Optional[str], process_set: ProcessSet, inplace: bool) -> Optional[Handle]:
+def _allreduce_one(tensor: Any, name: Optional[str], process_set: ProcessSet, inplace: bool,
+                   op: int) -> Optional[Handle]:
     """The common case (one contiguous numpy array, default op and factors) in few steps.
 
     Returns None when anything is unusual; the general path then validates and explains.
@@ -218,7 +219,7 @@ def _allreduce_one(tensor: Any, name: Optional[str], process_set: ProcessSet, in
     if name is None:  # only now: a counter consumed here must not be consumed again
         name = _auto_name("allreduce")
     handle = Handle(name, keep=tensor)
-    request = Request(Kind.ALLREDUCE, process_set.process_set_id, name, dtype_name, tensor.shape, 0)
+    request = Request(Kind.ALLREDUCE, process_set.process_set_id, name, dtype_name, tensor.shape, op)
     state.engine.submit_one(Entry(request, tensor, tensor if inplace else None, handle, 0, _monotonic()))
     return handle
 
@@ -239,9 +240,9 @@ def _member_names(fn: str, base: Optional[str], names: Optional[Sequence[str]], 
 
 def _allreduce(fn: str, tensors: Sequence[Any], average, name, op, prescale_factor, postscale_factor,
                process_set, inplace: bool, grouped: bool, names: Optional[Sequence[str]] = None) -> Handle:
-    if not grouped and op is None and average is None and prescale_factor == 1.0 and \
-            postscale_factor == 1.0 and type(process_set) is ProcessSet:
-        handle = _allreduce_one(tensors[0], name, process_set, inplace)
+    if not grouped and average is None and (op is None or type(op) is ReduceOp and op < Adasum) \
+            and prescale_factor == 1.0 and postscale_factor == 1.0 and type(process_set) is ProcessSet:
+        handle = _allreduce_one(tensors[0], name, process_set, inplace, int(op or 0))
         if handle is not None:
             return handle
     state, view = _process_set(process_set, fn)

@@ -16,7 +16,8 @@ from typing import Deque, Dict, Tuple
 
 import numpy as np
 
-_PER_KEY = 4
+_PER_KEY = 4096  # a model may have hundreds of tensors of one shape
+_SCAN = 8  # candidates looked at before allocating: in steady state the first one is free
 MAX_POOLED_BYTES = 1 << 30
 
 
@@ -33,7 +34,7 @@ class OutputPool:
         arrays = self._free.get(key)
         if arrays is None:
             arrays = self._free[key] = deque()
-        for _ in range(len(arrays)):
+        for _ in range(min(len(arrays), _SCAN)):
             candidate = arrays[0]
             arrays.rotate(-1)
             # references: the deque, the local name, getrefcount's argument
