@@ -26,6 +26,7 @@ from .runtime import (ProcessSet, add_process_set, cross_rank, cross_size, cuda_
                       init, is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
                       mpi_threads_supported, nccl_built, rank, remove_process_set, shutdown, size)
 from .timeline import start_timeline, stop_timeline
+from . import checkpoint  # noqa: E402  (rank-0 atomic checkpoints; collective save/load)
 
 __version__ = "0.1.0"
 
@@ -41,5 +42,5 @@ __all__ = [
     "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async", "barrier", "join",
     "broadcast_object", "allgather_object", "poll", "synchronize", "Handle", "Compression",
     "start_timeline", "stop_timeline", "HvddpError", "NotInitializedError", "BackendUnavailableError",
-    "MismatchError", "ShutdownError", "StallError", "LauncherMismatchError", "__version__",
+    "MismatchError", "ShutdownError", "StallError", "LauncherMismatchError", "checkpoint", "__version__",
 ]

@@ -9,22 +9,34 @@ what ``python -m mpi4py`` does; with ``install()`` a plain ``python train.py`` g
 
 When the job runs under ``hvddprun``, each rank also leaves small status files in the directory
 that ``hvddprun`` names in ``HVDDP_RUNNER_STATUS_DIR`` (rank, pid, host; the exception, if
-any; a mark once it exited cleanly), so that ``hvddprun`` can say which rank failed even when
-the MPI launcher only reports a pid, and can fail a job in which a rank vanished with exit code 0.
+any; a mark once it exited cleanly), and runs under a small monitor process (``rank_monitor``,
+this file run as a script) that records how its rank ended (exit code or signal) before the MPI
+launcher tears the job down. ``report`` turns those files into hvddprun's verdict: which rank
+failed first and how, and a failure even when the launcher reported success although a rank
+vanished (``os._exit(0)``). ``remove_leaked_shm`` removes the shared memory killed ranks leave.
 """
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # run as the rank monitor: hvddp/ must not shadow standard modules
+    del sys.path[0]
+
 import atexit
+import glob
 import json
 import os
+import re
+import signal
 import socket
-import sys
+import subprocess
 import threading
+import time
 import traceback
-from typing import Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["install", "installed", "STATUS_DIR_VARIABLE"]
+__all__ = ["install", "installed", "world_broken", "STATUS_DIR_VARIABLE", "rank_monitor", "report", "remove_leaked_shm"]
 
 # Private channel from hvddprun to its ranks (not a user setting, so not in config.py).
 STATUS_DIR_VARIABLE = "HVDDP_RUNNER_STATUS_DIR"
@@ -34,6 +46,7 @@ _installed = False
 _rank = -1
 _size = 0
 _status_dir: Optional[str] = None
+_broken: Optional[str] = None
 
 
 def installed() -> bool:
@@ -75,30 +88,73 @@ def install(world=None) -> bool:
         if _status_dir:
             _write_status("start", {"rank": _rank, "size": _size, "pid": os.getpid(),
                                     "host": socket.gethostname()})
-            atexit.register(_write_status, "done", {"rank": _rank})
+        # Registered before init() registers shutdown(), so it runs after it, and before
+        # mpi4py finalizes MPI.
+        atexit.register(_at_exit, world)
         _installed = True
         return True
 
 
+def world_broken(reason: str) -> None:
+    """Record that this rank's collectives can no longer complete (a fatal stall, a failed engine).
+
+    Call it where the engine stops with such an error. At exit the process then aborts the job
+    instead of finalizing MPI: ``MPI_Finalize`` would wait for ranks that are stuck elsewhere (in
+    their own code, not in a collective) and never get there, and the job would hang after every
+    rank that could see the error has already reported it. A no-op unless ``install()`` ran.
+    """
+    global _broken
+    if _installed and _broken is None:
+        _broken = reason
+
+
+def _at_exit(world) -> None:
+    if _broken is None:
+        if _status_dir:
+            _write_status("done", {"rank": _rank})
+        return
+    if _status_dir:
+        _write_status("failed", {"rank": _rank, "error": _broken.splitlines()[0][:300]})
+    _report_and_abort(world, f"[hvddp rank {_rank}] exiting after a fatal hvddp error; aborting the "
+                             f"job (MPI_Abort) instead of finalizing MPI, which would wait for ranks "
+                             f"that may never get there. The error: {_broken.splitlines()[0][:500]}\n")
+
+
 def _abort_on_exception(previous, etype, value, tb, world) -> None:
+    text = ""
     try:
-        sys.stderr.write(
-            f"[hvddp rank {_rank}] uncaught {etype.__name__} on rank {_rank} of {_size} "
-            f"(pid {os.getpid()} on {socket.gethostname()}); aborting the job with MPI_Abort so "
-            f"that the other ranks do not wait for it. Traceback of rank {_rank}:\n")
-        previous(etype, value, tb)
+        text = "".join(traceback.format_exception(etype, value, tb))
         if _status_dir:
             _write_status("failed", {"rank": _rank, "error": f"{etype.__name__}: {value}",
-                                     "traceback": "".join(traceback.format_exception(etype, value, tb))})
+                                     "traceback": text})
+        header = (f"[hvddp rank {_rank}] uncaught {etype.__name__} on rank {_rank} of {_size} "
+                  f"(pid {os.getpid()} on {socket.gethostname()}); aborting the job with MPI_Abort "
+                  f"so that the other ranks do not wait for it. Traceback of rank {_rank}:\n")
+        if previous is sys.__excepthook__:
+            text = header + text
+        else:  # a custom hook (IPython, rich, ...) prints the traceback its own way
+            _write_stderr(header)
+            previous(etype, value, tb)
+            text = ""
     except BaseException:  # reporting must never stop the abort
         pass
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        world.Abort(1)
+    _report_and_abort(world, text)
+
+
+def _write_stderr(text: str) -> None:
+    try:
+        sys.stdout.flush()
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except Exception:
+        pass
+
+
+def _report_and_abort(world, text: str) -> None:
+    """Write ``text`` in one piece, give the launcher a moment to forward it, then abort."""
+    _write_stderr(text)
+    time.sleep(0.2)  # launchers stop forwarding output once they see the abort
+    world.Abort(1)
 
 
 def _write_status(kind: str, payload: dict) -> None:
@@ -111,3 +167,210 @@ def _write_status(kind: str, payload: dict) -> None:
         os.replace(tmp, path)
     except Exception:
         pass
+
+
+# The rank monitor ---------------------------------------------------------------------------
+# hvddprun runs each rank as a child of a small monitor process: this file run as a script,
+# `python hvddp/_faults.py --rank-monitor -- cmd...`, importing neither hvddp, numpy nor MPI.
+# The monitor is what the MPI launcher starts and watches; it sees how its rank ended (exit code,
+# signal), writes that down with the rank's number before the launcher tears the job down, and
+# turns "exited 0 without finishing" into a failure.
+_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+_FORWARDED_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT")
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # not Linux: the launcher's own cleanup has to do
+        pass
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+        hint = (" (a kill from outside the process: often the out-of-memory killer, see `dmesg`)"
+                if -code == signal.SIGKILL else "")
+        return f"was killed by signal {-code} ({name}){hint}"
+    return f"exited with code {code}"
+
+
+def rank_monitor(command: Sequence[str]) -> int:
+    """Run one rank's ``command`` as a child; report how it ended; return its exit status.
+
+    The child inherits every file descriptor (MPICH's PMI_FD) and dies with the monitor
+    (PR_SET_PDEATHSIG), so killing the monitor, as launchers do, kills the rank too.
+    """
+    directory = os.environ.get(STATUS_DIR_VARIABLE, "")
+    rank = next((os.environ[v] for v in _RANK_VARIABLES if os.environ.get(v, "").isdigit()), "?")
+    try:
+        child = subprocess.Popen(list(command), close_fds=False, preexec_fn=_die_with_parent)
+    except OSError as exc:
+        print(f"hvddprun: rank {rank}: cannot start {command[0]!r}: {exc}", file=sys.stderr)
+        return 127
+
+    stopped = []  # signals the launcher (or the user) sent: the rank did not fail by itself
+
+    def forward(signum, _frame):
+        stopped.append(signum)
+        try:
+            child.send_signal(signum)
+        except OSError:
+            pass
+
+    for name in _FORWARDED_SIGNALS:
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), forward)
+    while True:
+        try:
+            code = child.wait()
+            break
+        except InterruptedError:  # pragma: no cover - Python retries, but be safe
+            continue
+    started = os.path.exists(os.path.join(directory, f"rank-{rank}.start")) if directory else False
+    finished = os.path.exists(os.path.join(directory, f"rank-{rank}.done")) if directory else True
+    failed = os.path.exists(os.path.join(directory, f"rank-{rank}.failed")) if directory else False
+    vanished = code == 0 and started and not finished and not stopped
+    if (code != 0 and not stopped) or vanished:
+        host = os.uname().nodename if hasattr(os, "uname") else "?"
+        what = _describe(code) if code else "exited with code 0 without finishing (os._exit?)"
+        if directory and not failed:
+            try:
+                tmp = os.path.join(directory, f".rank-{rank}.exit.tmp")
+                with open(tmp, "w") as f:
+                    json.dump({"rank": rank, "pid": child.pid, "host": host, "code": code,
+                               "what": what, "time": time.time()}, f)
+                os.replace(tmp, os.path.join(directory, f"rank-{rank}.exit"))
+            except OSError:
+                pass
+        if not failed:  # an uncaught exception already printed its own traceback
+            print(f"hvddprun: rank {rank} (pid {child.pid} on {host}) {what}; the launcher will "
+                  f"now stop the other ranks.", file=sys.stderr, flush=True)
+    if vanished:
+        return 1  # make the launcher fail the job now, not report success later
+    if code < 0:  # end the way the rank ended, so the launcher reports the same signal
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        return 128 - code
+    return code
+
+
+# Status of the ranks after the run --------------------------------------------------------------
+def _read_status(directory: str) -> Dict[str, Dict[int, dict]]:
+    status: Dict[str, Dict[int, dict]] = {"start": {}, "done": {}, "failed": {}, "exit": {}}
+    for name in os.listdir(directory):
+        match = re.fullmatch(r"rank-(\d+)\.(start|done|failed|exit)", name)
+        if not match:
+            continue
+        try:
+            with open(os.path.join(directory, name)) as f:
+                status[match.group(2)][int(match.group(1))] = json.load(f)
+        except (OSError, ValueError):
+            continue
+    return status
+
+
+def report(directory: str, np_: int, returncode: int) -> Tuple[int, List[str]]:
+    """Explain a run from the ranks' status files; return the exit code to use and the lines.
+
+    Ranks leave files once they called ``hvddp.init()`` (start, done, failed) and, under the rank
+    monitor, when they ended abnormally (exit). The first rank to end abnormally is named as the
+    cause; a rank that neither failed nor finished makes the run fail even if the launcher
+    returned 0.
+    """
+    status = _read_status(directory)
+    started, done, failed, exits = status["start"], status["done"], status["failed"], status["exit"]
+    lines: List[str] = []
+
+    def who(rank: int) -> str:
+        info = started.get(rank) or exits.get(rank) or {}
+        return f"rank {rank} (pid {info.get('pid', '?')} on {info.get('host', '?')})"
+
+    for rank in sorted(failed):
+        lines.append(f"hvddprun: {who(rank)} raised {failed[rank].get('error', '?')}; the job was aborted.")
+    first = sorted(exits, key=lambda r: exits[r].get("time", 0.0))
+    if first and not failed:
+        lines.append(f"hvddprun: the first rank to fail: {who(first[0])}, which "
+                     f"{exits[first[0]].get('what', 'failed')}" + ("." if len(first) == 1 else
+                                         f"; then {', '.join(who(r) for r in first[1:])}."))
+    vanished = sorted(r for r in started if r not in done and r not in failed and r not in exits)
+    if vanished and (failed or first):
+        lines.append(f"hvddprun: the launcher then stopped {', '.join(f'rank {r}' for r in vanished)}.")
+    elif vanished and returncode != 0:
+        lines.append("hvddprun: no rank finished cleanly (run without the rank monitor, the launcher "
+                     "names at most a pid): " + ", ".join(who(r) for r in vanished) + ".")
+    if returncode == 0 and len(started) == np_ and (vanished or first):
+        lines.append("hvddprun: the launcher reported success, but not every rank finished; failing "
+                     "the job.")
+        return 1, lines
+    return returncode, lines
+
+
+# Shared-memory segments left by ranks that were killed ------------------------------------------
+_SHM_PATTERNS = ("mpich_shm_*", "sm_segment.*", "vader_segment.*", "shm-col-space-*")
+
+
+def _mapped_files() -> set:
+    """Every file some live process maps or holds open (Linux /proc)."""
+    found = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    if "/dev/shm/" in line:
+                        found.add(line.split(None, 5)[-1].strip().replace(" (deleted)", ""))
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    found.add(target)
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def remove_leaked_shm(since: float, directory: str = "/dev/shm") -> List[str]:
+    """Unlink MPI shared-memory segments created after ``since`` that no live process uses.
+
+    MPICH (and Open MPI) unlink their node-local segments at a clean exit; a rank killed by a
+    signal or an abort leaves them behind in memory-backed ``/dev/shm``, one per job and node.
+    Only segments that no process maps or holds open are removed, so concurrent jobs are safe.
+
+    Returns:
+        The paths removed.
+    """
+    if not os.path.isdir(directory) or not os.path.isdir("/proc"):
+        return []
+    candidates = []
+    for pattern in _SHM_PATTERNS:
+        for path in glob.glob(os.path.join(directory, pattern)):
+            try:
+                if os.stat(path).st_mtime >= since - 1 and os.stat(path).st_uid == os.getuid():
+                    candidates.append(path)
+            except OSError:
+                continue
+    if not candidates:
+        return []
+    time.sleep(0.2)  # let a segment that is being created get mapped by its creator
+    busy = _mapped_files()
+    removed = []
+    for path in candidates:
+        if path in busy:
+            continue
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            continue
+    return removed
+
+
+if __name__ == "__main__":  # the rank monitor: python hvddp/_faults.py --rank-monitor -- cmd...
+    args = sys.argv[1:]
+    if args[:1] != ["--rank-monitor"]:
+        sys.exit("usage: _faults.py --rank-monitor -- command...")
+    sys.exit(rank_monitor(args[2:] if args[1:2] == ["--"] else args[1:]))

@@ -15,8 +15,11 @@ What it adds to a bare ``mpiexec``:
 * it turns its options into ``HVDDP_*`` variables for every rank (checked before launching);
 * it runs Python commands as ``python -m mpi4py ...``, so an uncaught exception on one rank
   aborts the job;
-* afterwards it says which rank failed (pid, host, exception), and it fails a job in which a
-  rank vanished without finishing even if the MPI launcher reported success.
+* it runs every rank under a small monitor process (``hvddp/_faults.py``) that records how the
+  rank ended, so that afterwards hvddprun says which rank failed first and how (exception, exit
+  code, signal, with pid and host), fails a job in which a rank vanished with exit code 0 even if
+  the MPI launcher reported success, and removes the shared memory that killed ranks leave in
+  ``/dev/shm``. ``--no-rank-monitor`` starts the command directly.
 """
 
 from __future__ import annotations
@@ -30,9 +33,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-__all__ = ["main", "build_command", "mpi_family", "Launch"]
+from . import _faults
+from ._faults import remove_leaked_shm  # re-exported: tests/mpirun.py imports it from here
+
+__all__ = ["main", "build_command", "mpi_family", "find_launch", "python_command", "Launch",
+           "remove_leaked_shm"]
 
 _MIB = 1 << 20
 
@@ -300,81 +308,33 @@ def build_command(launch: Launch, np_: int, command: Sequence[str], env: Dict[st
     return cmd + list(mpi_args) + list(command)
 
 
-# Status of the ranks after the run --------------------------------------------------------------
-def _read_status(directory: str) -> Dict[str, Dict[int, dict]]:
-    import json
-
-    status: Dict[str, Dict[int, dict]] = {"start": {}, "done": {}, "failed": {}}
-    for name in os.listdir(directory):
-        match = re.fullmatch(r"rank-(\d+)\.(start|done|failed)", name)
-        if not match:
-            continue
-        try:
-            with open(os.path.join(directory, name)) as f:
-                status[match.group(2)][int(match.group(1))] = json.load(f)
-        except (OSError, ValueError):
-            continue
-    return status
-
-
-def report(directory: str, np_: int, returncode: int) -> Tuple[int, List[str]]:
-    """Explain a run from the ranks' status files; return the exit code to use and the lines.
-
-    Only ranks that called ``hvddp.init()`` leave status files. When every rank left one, a rank
-    that neither failed nor exited cleanly vanished (``os._exit``, a signal, a native crash), and
-    the run fails even if the launcher returned 0.
-    """
-    status = _read_status(directory)
-    started, done, failed = status["start"], status["done"], status["failed"]
-    lines: List[str] = []
-    if not started:
-        return returncode, lines
-
-    def who(rank: int) -> str:
-        info = started.get(rank, {})
-        return f"rank {rank} (pid {info.get('pid', '?')} on {info.get('host', '?')})"
-
-    for rank in sorted(failed):
-        lines.append(f"hvddprun: {who(rank)} raised {failed[rank].get('error', '?')}; the job was aborted.")
-    vanished = sorted(r for r in started if r not in done and r not in failed)
-    complete = len(started) == np_
-    if returncode == 0 and complete and vanished:
-        lines.append(f"hvddprun: the launcher reported success, but {', '.join(who(r) for r in vanished)} "
-                     f"ended without finishing (os._exit, a signal or a crash in native code) and the "
-                     f"launcher stopped the rest; failing the job.")
-        return 1, lines
-    if returncode != 0 and not failed and vanished:
-        if len(vanished) < len(started):
-            lines.append(f"hvddprun: {', '.join(who(r) for r in vanished)} did not finish "
-                         f"(killed, os._exit or a native crash); the other ranks exited cleanly.")
-        else:
-            lines.append("hvddprun: no rank finished cleanly; the launcher's message above names the "
-                         "pid of the process that failed first: " + ", ".join(who(r) for r in vanished)
-                         + ". Exit code 137 or signal 9 usually means the out-of-memory killer.")
-    return returncode, lines
-
-
 # --check-build ----------------------------------------------------------------------------
-def _probe(code: str, timeout: float = 120) -> Tuple[bool, str]:
-    """Run ``code`` in a fresh interpreter; return (ok, last line of output or the error)."""
+def _probe_start(code: str) -> subprocess.Popen:
+    """Start ``code`` in a fresh interpreter (probes run side by side: imports are slow)."""
     env = dict(os.environ)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _probe_result(proc: subprocess.Popen, timeout: float = 180) -> Tuple[bool, str]:
+    """(ok, last line of output or the error) of a probe."""
     try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             timeout=timeout, env=env)
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
         return False, f"timed out after {timeout:g} s"
-    lines = (out.stdout.strip() or out.stderr.strip() or "").splitlines()
-    last = lines[-1] if lines else ""
-    return out.returncode == 0, last
+    lines = (out.strip() or err.strip() or "").splitlines()
+    return proc.returncode == 0, lines[-1] if lines else ""
 
 
-_PROBES = [
-    ("PyTorch", "import torch; print(torch.__version__)"),
-    ("TensorFlow", "import tensorflow as tf; print(tf.__version__)"),
-    ("Keras 3", "import keras; assert keras.__version__ >= '3', keras.__version__; "
-                "print(keras.__version__, 'backend', keras.backend.backend())"),
-    ("JAX", "import jax; print(jax.__version__)"),
+_PROBES = [  # the framework and hvddp's adapter for it must both import
+    ("PyTorch", "import torch, hvddp.torch; print(torch.__version__, '(hvddp.torch)')"),
+    ("TensorFlow", "import tensorflow as tf, hvddp.tensorflow; print(tf.__version__, '(hvddp.tensorflow)')"),
+    ("Keras 3", "import keras; assert keras.__version__ >= '3', keras.__version__; import hvddp.keras; "
+                "print(keras.__version__, '(hvddp.keras) backend', keras.backend.backend())"),
+    ("JAX", "import jax; print(jax.__version__, '(through hvddp.keras with KERAS_BACKEND=jax)')"),
 ]
 _GPU_PROBES = [
     ("CuPy (CUDA devices)", "import cupy; n = cupy.cuda.runtime.getDeviceCount(); assert n > 0, "
@@ -405,15 +365,18 @@ def check_build(mpiexec: Optional[str] = None) -> int:
     except Exception as exc:  # the report goes on: it is for diagnosing exactly this
         ok = False
         print(f"  [ ] {exc}")
-    good, level = _probe(_THREADS)
+    started = time.time()
+    probes = {name: _probe_start(code) for name, code in [("threads", _THREADS)] + _PROBES + _GPU_PROBES}
+    good, level = _probe_result(probes["threads"])
+    _faults.remove_leaked_shm(started)  # Open MPI's singleton init leaves a 16 MiB segment behind
     usable = good and level in ("serialized", "multiple")
     ok = ok and usable
     print(f"  [{'X' if usable else ' '}] thread level: {level if good else 'MPI_Init failed: ' + level}"
           + ("" if usable or not good else " (hvddp needs serialized or multiple)"))
-    for title, probes in (("Frameworks", _PROBES), ("GPU", _GPU_PROBES)):
+    for title, group in (("Frameworks", _PROBES), ("GPU", _GPU_PROBES)):
         print(f"\n{title}:")
-        for name, code in probes:
-            good, text = _probe(code)
+        for name, _ in group:
+            good, text = _probe_result(probes[name])
             print(f"  [{'X' if good else ' '}] {name}: {text if good else 'not usable (' + text + ')'}")
     return 0 if ok else 1
 
@@ -425,21 +388,25 @@ def _parser() -> argparse.ArgumentParser:
         description="Run COMMAND on N ranks with the mpiexec of the MPI library mpi4py loads, "
                     "passing hvddp settings as HVDDP_* variables.",
         epilog="Example: hvddprun -np 4 -H node1:2,node2:2 python train.py --epochs 10")
-    p.add_argument("-np", "-n", "--num-proc", dest="np", type=int, help="number of ranks")
+    p.add_argument("-np", "-n", "--num-proc", dest="np", type=int, metavar="N", help="number of ranks")
     hosts = p.add_mutually_exclusive_group()
-    hosts.add_argument("-H", "--hosts", help="host1:slots,host2:slots (default: this machine)")
-    hosts.add_argument("--hostfile", help="file with one `host`, `host:N` or `host slots=N` per line")
-    p.add_argument("--fusion-threshold-mb", type=float, help="HVDDP_FUSION_THRESHOLD, in MiB")
-    p.add_argument("--cycle-time-ms", type=float, help="HVDDP_CYCLE_TIME")
-    p.add_argument("--timeline-filename", help="HVDDP_TIMELINE: Chrome-trace file written by rank 0")
-    p.add_argument("--stall-check-warning-time-seconds", type=float,
+    hosts.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...", help="host1:slots,host2:slots (default: this machine)")
+    hosts.add_argument("--hostfile", metavar="FILE", help="file with one `host`, `host:N` or `host slots=N` per line")
+    p.add_argument("--fusion-threshold-mb", type=float, metavar="MB", help="HVDDP_FUSION_THRESHOLD, in MiB")
+    p.add_argument("--cycle-time-ms", type=float, metavar="MS", help="HVDDP_CYCLE_TIME")
+    p.add_argument("--timeline-filename", metavar="FILE", help="HVDDP_TIMELINE: Chrome-trace file written by rank 0")
+    p.add_argument("--stall-check-warning-time-seconds", type=float, metavar="S",
                    help="HVDDP_STALL_CHECK_TIME_SECONDS: warn about collectives missing on some ranks")
-    p.add_argument("--stall-check-shutdown-time-seconds", type=float,
+    p.add_argument("--stall-check-shutdown-time-seconds", type=float, metavar="S",
                    help="HVDDP_STALL_SHUTDOWN_TIME_SECONDS: raise StallError on every rank after this")
     p.add_argument("--no-stall-check", action="store_true", help="HVDDP_STALL_CHECK_DISABLE=1")
-    p.add_argument("--log-level", help="HVDDP_LOG_LEVEL: TRACE, DEBUG, INFO, WARNING, ERROR, FATAL")
-    p.add_argument("--mpi-args", default="", help='extra launcher arguments, e.g. "-prepend-rank"')
-    p.add_argument("--mpiexec", help="launcher to use (default: the one of mpi4py's MPI library)")
+    p.add_argument("--log-level", metavar="LEVEL", help="HVDDP_LOG_LEVEL: TRACE, DEBUG, INFO, WARNING, ERROR, FATAL")
+    p.add_argument("--mpi-args", default="", metavar="ARGS",
+                   help='extra launcher arguments, e.g. --mpi-args="-prepend-rank"')
+    p.add_argument("--mpiexec", metavar="PATH", help="launcher to use (default: the one of mpi4py's MPI library)")
+    p.add_argument("--no-rank-monitor", action="store_true",
+                   help="start the command directly, without hvddprun's per-rank monitor process "
+                        "(which reports how each rank ended)")
     p.add_argument("--dry-run", action="store_true", help="print the mpiexec command and exit")
     p.add_argument("--check-build", action="store_true",
                    help="print the MPI library, thread level and usable frameworks, then exit")
@@ -449,6 +416,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``hvddprun`` console script; returns the job's exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = _parser()
     opts = parser.parse_args(argv)
     if opts.check_build:
@@ -467,11 +435,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         launch = find_launch(opts.mpiexec)
         status_dir = None if opts.dry_run else tempfile.mkdtemp(prefix="hvddprun-")
         if status_dir:
-            from ._faults import STATUS_DIR_VARIABLE
-
-            env[STATUS_DIR_VARIABLE] = status_dir
-        cmd = build_command(launch, opts.np, python_command(command), env, hosts,
-                            shlex.split(opts.mpi_args))
+            env[_faults.STATUS_DIR_VARIABLE] = status_dir
+        command = python_command(command)
+        if not opts.no_rank_monitor:
+            command = [sys.executable, os.path.abspath(_faults.__file__), "--rank-monitor", "--"] + command
+        cmd = build_command(launch, opts.np, command, env, hosts, shlex.split(opts.mpi_args))
     except (ValueError, RuntimeError, OSError) as exc:
         parser.error(str(exc))
     if opts.dry_run:
@@ -484,10 +452,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _run(cmd: List[str], status_dir: str, np_: int) -> int:
-    from ._faults import STATUS_DIR_VARIABLE
-
     full_env = dict(os.environ)
-    full_env[STATUS_DIR_VARIABLE] = status_dir
+    full_env[_faults.STATUS_DIR_VARIABLE] = status_dir
     try:
         proc = subprocess.Popen(cmd, env=full_env)
     except OSError as exc:
@@ -500,6 +466,7 @@ def _run(cmd: List[str], status_dir: str, np_: int) -> int:
         except OSError:
             pass
 
+    started = time.time()
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         while True:
@@ -513,9 +480,14 @@ def _run(cmd: List[str], status_dir: str, np_: int) -> int:
             signal.signal(s, handler)
     if returncode < 0:
         returncode = 128 - returncode
-    code, lines = report(status_dir, np_, returncode)
+    code, lines = _faults.report(status_dir, np_, returncode)
     for line in lines:
         print(line, file=sys.stderr)
+    if code != 0:  # killed ranks leave their MPI shared memory behind on this node
+        removed = _faults.remove_leaked_shm(started)
+        if removed:
+            print(f"hvddprun: removed {len(removed)} shared-memory segment(s) the failed ranks left in "
+                  f"/dev/shm.", file=sys.stderr)
     return code
 
 

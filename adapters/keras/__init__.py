@@ -32,10 +32,11 @@ from hvddp import (Adasum, Average, BackendUnavailableError, Compression, HvddpE
                    local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
                    remove_process_set, shutdown, size)
 
-from . import callbacks
+from . import callbacks, checkpoint
 from ._jit import install_auto_jit_guard as _install_auto_jit_guard
 from .callbacks import (BroadcastGlobalVariablesCallback, LearningRateScheduleCallback,
                         LearningRateWarmupCallback, MetricAverageCallback)
+from .checkpoint import CheckpointCallback, load_checkpoint, save_checkpoint
 from .functions import allgather, allreduce, broadcast, broadcast_variables
 from .optimizer import DistributedOptimizer, is_distributed, load_model
 
@@ -51,5 +52,5 @@ __all__ = [
     "allreduce", "allgather", "broadcast", "broadcast_variables", "barrier", "join", "broadcast_object",
     "allgather_object",
     "HvddpError", "NotInitializedError", "BackendUnavailableError", "MismatchError", "ShutdownError",
-    "StallError",
+    "StallError", "checkpoint", "CheckpointCallback", "save_checkpoint", "load_checkpoint",
 ]

@@ -1,0 +1,189 @@
+"""Save and resume PyTorch training: rank 0 writes atomically, every rank resumes identically.
+
+    from hvddp.torch.checkpoint import load_checkpoint, save_checkpoint
+
+    state = load_checkpoint("ckpt/last.pt", model, optimizer)   # None on a fresh start
+    if state is None:
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    start = 0 if state is None else state["step"]
+    for step in range(start, steps):
+        ...
+        if (step + 1) % 100 == 0:
+            save_checkpoint("ckpt/last.pt", model, optimizer, step=step + 1)
+
+A checkpoint holds the model's and optimizer's (and an LR scheduler's) state dicts, the epoch
+and step, any ``extra`` you pass, and the RNG state of every rank (Python ``random``, NumPy's
+global generator, torch's CPU generator and the CUDA generators), so that a job restarted from it
+continues exactly as the uninterrupted job would have: same dropout masks, same shuffles.
+
+Both functions are collective: every rank calls them. ``save_checkpoint`` gathers the RNG
+states, rank 0 serializes with ``torch.save`` and writes through
+``hvddp.checkpoint.atomic_write`` (temporary file, fsync, rename: a crash mid-write leaves the
+previous checkpoint intact); it returns on every rank once the file is on disk. ``load_checkpoint``
+reads the file on rank 0 only (no shared filesystem needed) and broadcasts its bytes; every rank
+loads the same state. Files load with ``torch.load(weights_only=True)`` by default.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import random
+from typing import Any, Dict, Optional, Union
+
+import numpy as np
+import torch
+
+import hvddp
+from hvddp import checkpoint as _core
+from hvddp import global_process_set, ProcessSet
+
+__all__ = ["save_checkpoint", "load_checkpoint", "rng_state", "set_rng_state"]
+
+log = logging.getLogger("hvddp")
+FORMAT = "hvddp.torch.checkpoint/1"
+
+
+def rng_state() -> Dict[str, Any]:
+    """This process's RNG states, in a form ``torch.load(weights_only=True)`` accepts."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    """Restore what ``rng_state()`` returned."""
+    random.setstate(_tuples(state["python"]))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        if len(state["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(state["cuda"])
+        else:
+            log.warning("checkpoint has CUDA RNG states of %d devices, this process sees %d; "
+                        "CUDA RNG not restored.", len(state["cuda"]), torch.cuda.device_count())
+
+
+def _tuples(value):
+    """random.setstate needs tuples; a checkpoint round trip may have produced lists."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_tuples(v) for v in value)
+    return value
+
+
+def _check_root(root_rank: Any) -> None:
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int):
+        raise TypeError(f"root_rank must be an int, got {type(root_rank).__name__} {root_rank!r}.")
+
+
+def save_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Module] = None,
+                    optimizer: Optional[torch.optim.Optimizer] = None, *, epoch: int = 0, step: int = 0,
+                    scheduler: Any = None, extra: Any = None, rng: bool = True, root_rank: int = 0,
+                    process_set: ProcessSet = global_process_set) -> None:
+    """Write a checkpoint of the training state from ``root_rank``; every rank calls it.
+
+    Args:
+        path: the checkpoint file (replaced atomically; the directory is created).
+        model: its ``state_dict()`` is saved (rank 0's; replicas are identical).
+        optimizer: a torch optimizer or ``hvddp.torch.DistributedOptimizer``; its state dict.
+        epoch: saved as is; ``load_checkpoint`` returns it.
+        step: saved as is; ``load_checkpoint`` returns it.
+        scheduler: anything with ``state_dict()``/``load_state_dict()`` (an LR scheduler).
+        extra: more state to keep (tensors, numbers, strings, lists, dicts; other objects need
+            ``load_checkpoint(weights_only=False)``).
+        rng: save every rank's RNG states (a small gather).
+        root_rank: the rank that writes.
+        process_set: the ranks taking part.
+
+    Raises:
+        CheckpointError: on every rank, when the root could not write the file.
+    """
+    _check_root(root_rank)
+    rngs = hvddp.allgather_object(rng_state(), name="__hvddp.torch.checkpoint.rng",
+                                  process_set=process_set) if rng else None
+    data = None
+    if process_set.rank() == root_rank:
+        state = {
+            "format": FORMAT, "size": process_set.size(), "epoch": epoch, "step": step,
+            "model": model.state_dict() if model is not None else None,
+            "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "extra": extra, "rng": rngs,
+        }
+
+        def data(f):
+            torch.save(state, f)
+
+    _core.save_bytes(data, path, root_rank, process_set)
+
+
+def load_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Module] = None,
+                    optimizer: Optional[torch.optim.Optimizer] = None, *, scheduler: Any = None,
+                    map_location: Any = "cpu", rng: bool = True, weights_only: bool = True,
+                    strict: bool = True, root_rank: int = 0,
+                    process_set: ProcessSet = global_process_set) -> Optional[Dict[str, Any]]:
+    """Restore a checkpoint written by ``save_checkpoint`` on every rank; every rank calls it.
+
+    Rank 0 reads the file and broadcasts it, so every rank loads exactly the same model and
+    optimizer state: no ``broadcast_parameters`` is needed after a successful load. Each rank
+    gets back its own RNG state when the job has as many ranks as the one that saved it
+    (otherwise the RNGs are left alone and rank 0 logs a warning).
+
+    Args:
+        path: the checkpoint file, as seen by ``root_rank``.
+        model, optimizer, scheduler: objects whose ``load_state_dict`` receives the saved state.
+        map_location: where tensors go (``torch.load``'s argument); CPU by default.
+        rng: restore this rank's RNG states.
+        weights_only: ``torch.load``'s safe mode; False only for files you trust that hold
+            arbitrary ``extra`` objects.
+        strict: passed to ``model.load_state_dict``.
+        root_rank: the rank that reads the file.
+        process_set: the ranks taking part.
+
+    Returns:
+        ``{"epoch": ..., "step": ..., "extra": ...}`` on every rank, or None on every rank when
+        ``root_rank`` finds no file at ``path`` (a fresh start).
+
+    Raises:
+        CheckpointError: on every rank, when the file cannot be read or is not such a checkpoint.
+    """
+    _check_root(root_rank)
+    data = _core.load_bytes(path, root_rank, process_set)
+    if data is None:
+        return None
+    try:
+        state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
+        if not isinstance(state, dict) or state.get("format") != FORMAT:
+            raise ValueError(f"not written by hvddp.torch.checkpoint.save_checkpoint (format "
+                             f"{state.get('format') if isinstance(state, dict) else type(state).__name__!r})")
+    except Exception as exc:  # the same bytes on every rank: every rank fails alike
+        raise _core.CheckpointError(f"checkpoint {os.fspath(path)!r} cannot be loaded: "
+                                    f"{type(exc).__name__}: {exc}") from exc
+    for what, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):
+        if obj is None:
+            continue
+        if state[what] is None:
+            raise _core.CheckpointError(f"checkpoint {os.fspath(path)!r} has no {what} state, but "
+                                        f"load_checkpoint was given a {what}.")
+        if what == "model":
+            obj.load_state_dict(state[what], strict=strict)
+        else:
+            obj.load_state_dict(state[what])
+    if rng and state["rng"] is not None:
+        if len(state["rng"]) == process_set.size():
+            set_rng_state(state["rng"][process_set.rank()])
+        elif process_set.rank() == 0:
+            log.warning("checkpoint %r was saved by %d ranks, this job has %d: RNG states not "
+                        "restored, so random draws will differ from the saving job's.",
+                        os.fspath(path), len(state["rng"]), process_set.size())
+    return {"epoch": state["epoch"], "step": state["step"], "extra": state["extra"]}

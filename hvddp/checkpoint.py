@@ -1,0 +1,215 @@
+"""Checkpoints that survive a crash: written atomically by one rank, read by one and broadcast.
+
+Framework-agnostic building blocks; ``hvddp.torch.checkpoint`` and ``hvddp.keras.checkpoint``
+build model/optimizer/RNG checkpoints on them.
+
+* ``atomic_write(path, data)`` (local, any process): writes a temporary file next to ``path``,
+  flushes and fsyncs it, renames it over ``path`` and fsyncs the directory. A crash at any point
+  leaves either the previous file or the new one, never a torn mix.
+* ``save_bytes`` / ``load_bytes`` (collective): the root rank writes or reads, and every rank
+  gets the same outcome: the same bytes, ``None`` when there is no checkpoint yet, or the same
+  ``CheckpointError`` when the root could not write or read it.
+* ``save`` / ``load`` (collective): the same for any picklable object (numpy arrays, dicts).
+  ``load`` unpickles, so load only checkpoints you wrote yourself.
+
+Example:
+    state = hvddp.checkpoint.load("ckpt/state.pkl")          # None on a fresh start
+    start = 0 if state is None else state["step"]
+    for step in range(start, steps):
+        ...
+        if step % 100 == 0:
+            hvddp.checkpoint.save({"step": step + 1, "w": w}, "ckpt/state.pkl")
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pickle
+from typing import Any, BinaryIO, Callable, Optional, Union
+
+import numpy as np
+
+from .exceptions import HvddpError
+from .runtime import ProcessSet, global_process_set
+
+__all__ = ["CheckpointError", "atomic_write", "save_bytes", "load_bytes", "save", "load"]
+
+Data = Union[bytes, bytearray, memoryview, Callable[[BinaryIO], None]]
+
+
+class CheckpointError(HvddpError):
+    """The root rank could not write or read a checkpoint; raised on every rank alike."""
+
+
+def _tmp_prefix(path: str) -> str:
+    directory, name = os.path.split(os.path.abspath(path))
+    return os.path.join(directory, f".{name}.tmp.")
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # some platforms cannot open directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Union[str, os.PathLike], data: Data) -> None:
+    """Replace the file at ``path`` with ``data`` atomically; not collective.
+
+    Args:
+        path: the checkpoint file; its directory is created if missing.
+        data: the bytes, or a function that writes them to the binary file object it is given
+            (e.g. ``lambda f: torch.save(state, f)``) so large states need not exist twice.
+
+    Raises:
+        OSError: the file could not be written (``path`` is untouched then).
+        TypeError: ``data`` is neither bytes-like nor callable.
+    """
+    path = os.fspath(path)
+    if not (callable(data) or isinstance(data, (bytes, bytearray, memoryview))):
+        raise TypeError(f"atomic_write: data must be bytes or a function that writes to a file, "
+                        f"got {type(data).__name__}.")
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    prefix = _tmp_prefix(path)
+    tmp = f"{prefix}{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(directory)
+    for stale in glob.glob(glob.escape(prefix) + "*"):  # left by writers that crashed
+        try:
+            os.unlink(stale)
+        except OSError:
+            pass
+
+
+def _check_root(root_rank: Any, fn: str) -> int:
+    if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
+        raise TypeError(f"{fn}: root_rank must be an int, got {type(root_rank).__name__} {root_rank!r}.")
+    return int(root_rank)
+
+
+def save_bytes(data: Optional[Data], path: Union[str, os.PathLike], root_rank: int = 0,
+               process_set: ProcessSet = global_process_set) -> None:
+    """Write ``data`` to ``path`` from ``root_rank`` only, atomically; every rank calls it.
+
+    Returns only after the file is on disk (fsynced and renamed), on every rank, so a rank that
+    goes on after ``save_bytes`` can rely on the checkpoint. Other ranks' ``data`` is ignored
+    (pass None).
+
+    Raises:
+        CheckpointError: on every rank, when the root could not write the file; the previous
+            checkpoint at ``path`` is then intact.
+    """
+    from .ops import broadcast_object
+
+    root_rank = _check_root(root_rank, "save_bytes")
+    error = None
+    if process_set.rank() == root_rank:
+        try:
+            if data is None:
+                raise TypeError("save_bytes: the root rank must pass the data to write, got None.")
+            atomic_write(path, data)
+        except Exception as exc:  # reported on every rank below
+            error = f"{type(exc).__name__}: {exc}"
+    error = broadcast_object(error, root_rank, process_set=process_set)
+    if error is not None:
+        raise CheckpointError(f"checkpoint {os.fspath(path)!r}: rank {root_rank} could not write it "
+                              f"({error}); the previous checkpoint, if any, is intact.")
+
+
+def load_bytes(path: Union[str, os.PathLike], root_rank: int = 0,
+               process_set: ProcessSet = global_process_set) -> Optional[bytes]:
+    """Read ``path`` on ``root_rank`` and return its bytes on every rank; every rank calls it.
+
+    Only the root needs to see the file (other nodes need no shared filesystem).
+
+    Returns:
+        The file's bytes on every rank, or None on every rank when the root has no file at
+        ``path`` (a fresh start).
+
+    Raises:
+        CheckpointError: on every rank, when the file exists but the root cannot read it.
+    """
+    from .ops import broadcast, broadcast_object
+
+    root_rank = _check_root(root_rank, "load_bytes")
+    path = os.fspath(path)
+    payload = None
+    header: Any = None
+    if process_set.rank() == root_rank:
+        try:
+            with open(path, "rb") as f:
+                payload = f.read()
+            header = ("ok", len(payload))
+        except FileNotFoundError:
+            header = ("missing", 0)
+        except Exception as exc:
+            header = ("error", f"{type(exc).__name__}: {exc}")
+    status, value = broadcast_object(header, root_rank, process_set=process_set)
+    if status == "missing":
+        return None
+    if status == "error":
+        raise CheckpointError(f"checkpoint {path!r}: rank {root_rank} could not read it ({value}).")
+    if payload is not None:
+        buf = np.frombuffer(payload, dtype=np.uint8)
+    else:
+        buf = np.empty(value, dtype=np.uint8)
+    buf = broadcast(buf, root_rank, name="__hvddp.checkpoint.data", process_set=process_set)
+    return payload if payload is not None else buf.tobytes()
+
+
+def save(obj: Any, path: Union[str, os.PathLike], root_rank: int = 0,
+         process_set: ProcessSet = global_process_set) -> None:
+    """Pickle ``obj`` (the root rank's) to ``path`` atomically; collective like ``save_bytes``.
+
+    Raises:
+        CheckpointError: on every rank, when the root could not pickle or write it.
+    """
+    from .runtime import _state
+
+    _state()
+    is_root = process_set.rank() == _check_root(root_rank, "save")
+    save_bytes((lambda f: pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)) if is_root else None,
+               path, root_rank, process_set)
+
+
+def load(path: Union[str, os.PathLike], default: Any = None, root_rank: int = 0,
+         process_set: ProcessSet = global_process_set) -> Any:
+    """Return the object pickled at ``path`` (read by the root) on every rank; collective.
+
+    Args:
+        path: a file written by ``save``. It is unpickled: load only files you trust.
+        default: what every rank gets when the root has no file at ``path``.
+
+    Raises:
+        CheckpointError: on every rank, when the file cannot be read or unpickled.
+    """
+    data = load_bytes(path, root_rank, process_set)
+    if data is None:
+        return default
+    try:
+        return pickle.loads(data)
+    except Exception as exc:  # the same bytes everywhere: every rank fails alike
+        raise CheckpointError(f"checkpoint {os.fspath(path)!r} is not a valid hvddp checkpoint "
+                              f"({type(exc).__name__}: {exc}).") from exc

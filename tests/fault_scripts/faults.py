@@ -1,0 +1,81 @@
+"""Rank-side script of tests/test_faults.py: train a little, then fail in the way argv[1] says.
+
+    mpiexec -n 2 python [-m mpi4py] tests/fault_scripts/faults.py MODE [--install]
+
+Modes (rank 1 misbehaves at step 3 while rank 0 waits in a collective):
+  ok        every rank finishes
+  raise     rank 1 raises RuntimeError; rank 0 waits in an allreduce
+  raise_raw rank 1 raises; rank 0 waits outside hvddp, in a raw MPI bcast from rank 1 (this one
+            hangs forever unless something aborts the job)
+  sigkill   rank 1 sends itself SIGKILL
+  exit0     rank 1 calls os._exit(0)
+  exit3     rank 1 calls os._exit(3)
+  skip      rank 1 skips step 3's allreduce (stall)
+  slow      rank 1 sleeps 3 s before step 3's allreduce
+  stuck     rank 1 sleeps 600 s before step 3's allreduce (stuck in its own code)
+--install calls hvddp._faults.install() explicitly (hvddp.init() does it once wired).
+"""
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import hvddp
+import hvddp._faults
+
+mode = sys.argv[1]
+
+
+def say(text: str) -> None:
+    sys.stdout.write(text + "\n")  # one write: lines of two ranks must not interleave
+    sys.stdout.flush()
+
+
+hvddp.init()
+if "--install" in sys.argv:
+    hvddp._faults.install()
+if "--patch-engine" in sys.argv:  # what the core request asks Engine._stop_with to do
+    from hvddp.engine import loop
+
+    _stop_with = loop.Engine._stop_with
+
+    def _patched(self, error):
+        if not isinstance(error, hvddp.ShutdownError):
+            hvddp._faults.world_broken(f"{type(error).__name__}: {error}")
+        return _stop_with(self, error)
+
+    loop.Engine._stop_with = _patched
+rank, size = hvddp.rank(), hvddp.size()
+say(f"rank {rank}: started pid {os.getpid()} installed={hvddp._faults.installed()}")
+start = time.monotonic()
+try:
+    for step in range(8):
+        if rank == 1 and step == 3:
+            say(f"rank 1: misbehaving ({mode}) at step {step}")
+            if mode in ("raise", "raise_raw"):
+                raise RuntimeError(f"boom on rank 1 at step {step}")
+            if mode == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if mode == "exit0":
+                os._exit(0)
+            if mode == "exit3":
+                os._exit(3)
+            if mode == "skip":
+                continue
+            if mode == "slow":
+                time.sleep(3)
+            if mode == "stuck":  # alive, engine running, main thread busy elsewhere for long
+                time.sleep(600)
+        if mode == "raise_raw" and rank == 0 and step == 3:
+            from mpi4py import MPI
+
+            MPI.COMM_WORLD.bcast(None, root=1)  # waits for rank 1 outside hvddp
+        out = hvddp.allreduce(np.full(4, float(rank + step)), name=f"grad.step{step}", op=hvddp.Sum)
+        assert out.tolist() == [float(sum(r + step for r in range(size)))] * 4, out
+except hvddp.StallError as exc:
+    say(f"rank {rank}: STALLERROR after {time.monotonic() - start:.1f} s: {exc}")
+    sys.exit(3)
+say(f"rank {rank}: finished")

@@ -1,0 +1,70 @@
+"""Rank-side script of tests/test_checkpoint.py: hvddp.checkpoint's collective contract.
+
+    mpiexec -n 2 python -m mpi4py tests/mpi_faults_checkpoint.py DIR
+
+Prints `CHECKPOINT OK` on each rank when every check passed.
+"""
+
+import hashlib
+import os
+import sys
+
+import numpy as np
+
+import hvddp
+from hvddp import checkpoint
+
+directory = sys.argv[1]
+hvddp.init()
+rank = hvddp.rank()
+path = os.path.join(directory, "sub", "state.pkl")
+
+# A fresh start: no file, the same answer everywhere.
+assert checkpoint.load(path) is None and checkpoint.load(path, default=("fresh",)) == ("fresh",)
+
+# Rank 0's object is written (the others' is ignored) and comes back on every rank.
+mine = {"step": 5 + rank, "w": np.arange(6.0) * (rank + 1), "name": "λ"}
+checkpoint.save(mine, path)
+assert os.path.exists(path) if rank == 0 else True
+back = checkpoint.load(path)
+assert back["step"] == 5 and back["name"] == "λ" and np.array_equal(back["w"], np.arange(6.0)), back
+
+# A failing write fails on every rank and leaves the previous checkpoint intact.
+blocker = os.path.join(directory, "not-a-directory")
+if rank == 0:
+    open(blocker, "w").close()
+hvddp.barrier()
+for bad_path, obj in ((os.path.join(blocker, "x.pkl"), mine), (path, lambda: None)):  # unwritable; unpicklable
+    try:
+        checkpoint.save(obj, bad_path)
+    except checkpoint.CheckpointError as exc:
+        assert "rank 0 could not write it" in str(exc) and "intact" in str(exc), exc
+    else:
+        raise AssertionError(f"saving {obj!r} to {bad_path} did not fail")
+assert checkpoint.load(path)["step"] == 5
+assert not [n for n in os.listdir(os.path.dirname(path)) if ".tmp." in n]  # no temporary left
+
+# A file that is not a checkpoint fails on every rank alike.
+garbage = os.path.join(directory, "garbage.pkl")
+if rank == 0:
+    with open(garbage, "wb") as f:
+        f.write(b"\x80\x05not a pickle")
+hvddp.barrier()
+try:
+    checkpoint.load(garbage)
+except checkpoint.CheckpointError as exc:
+    assert "not a valid hvddp checkpoint" in str(exc), exc
+else:
+    raise AssertionError("garbage loaded")
+
+# Raw bytes, larger than one MPI message chunk, and an empty file.
+blob = os.urandom(5 << 20) if rank == 0 else None
+checkpoint.save_bytes(blob, os.path.join(directory, "blob.bin"))
+got = checkpoint.load_bytes(os.path.join(directory, "blob.bin"))
+digest = hvddp.allgather_object(hashlib.sha256(got).hexdigest())
+assert len(got) == 5 << 20 and len(set(digest)) == 1, digest
+checkpoint.save_bytes(b"", os.path.join(directory, "empty.bin"))
+assert checkpoint.load_bytes(os.path.join(directory, "empty.bin")) == b""
+
+sys.stdout.write(f"rank {rank}: CHECKPOINT OK\n")
+sys.stdout.flush()

@@ -1,0 +1,39 @@
+"""Bad settings and bad arguments fail clearly on every rank; never a crash, hang or wrong number."""
+
+from __future__ import annotations
+
+import re
+
+from hvddp import config
+from mpirun import run, run_pytest
+import mpi_faults_bad_config as bad
+
+
+def test_every_variable_has_bad_values_under_test():
+    assert set(bad.BAD_VALUES) | set(bad.USED_AT_INIT) == set(config.VARIABLES)
+
+
+def test_bad_config_fails_at_init_naming_variable_and_value():
+    result = run(2, ["tests/mpi_faults_bad_config.py"], timeout=120)
+    expected = sum(len(v) + 1 for v in bad.BAD_VALUES.values())
+    assert result.stdout.count(f"BADCONFIG OK {expected}") == 2, result.stdout
+
+
+def test_bad_timeline_path_fails_on_every_rank():
+    """HVDDP_TIMELINE parses as any text; a path rank 0 cannot create must fail every rank."""
+    result = run(2, ["tests/mpi_faults_bad_config.py", "timeline"], timeout=60, check=False)
+    outcomes = re.findall(r"TIMELINE OUTCOME (.*)", result.stdout)
+    assert len(outcomes) == 2, result.stdout
+    for outcome in outcomes:
+        assert outcome.startswith("ValueError") and "HVDDP_TIMELINE" in outcome, result.stdout
+
+
+def test_hypothesis_bad_input_numpy_core_and_torch_adapter():
+    """Every drawn call: the right answer or a clear ValueError/TypeError, alike on both ranks.
+
+    Small MPI chunks make the large shapes take the chunked reduction path too.
+    """
+    result = run_pytest(2, "tests/mpi_faults_bad_input.py", timeout=300,
+                        env={"HVDDP_MPI_CHUNK_BYTES": "262144"},
+                        extra=["tests/mpi_faults_bad_input_torch.py"])
+    assert result.stdout.count(" passed") >= 2 and " failed" not in result.stdout, result.stdout

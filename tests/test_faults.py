@@ -1,0 +1,201 @@
+"""Faults end the job loudly and fast: real 2-rank jobs, time to failure measured and bounded."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mpirun import ROOT, run
+from runner_helper import hvddprun
+
+SCRIPT = "tests/fault_scripts/faults.py"
+
+
+def _timed(np_, args, **kwargs):
+    start = time.monotonic()
+    result = run(np_, args, check=False, **kwargs)
+    elapsed = time.monotonic() - start
+    # hydra's -prepend-rank also tags the pieces of one line: drop the tags to read the text.
+    result.stdout = re.sub(r"\[\d+\]$", "", re.sub(r"\[\d+\] ", "", result.stdout), flags=re.M)
+    return result, elapsed
+
+
+@pytest.mark.parametrize("how", ["python -m mpi4py", "plain python + install()"])
+def test_uncaught_exception_aborts_job_with_traceback(how):
+    mpi4py_run = how == "python -m mpi4py"
+    args = [SCRIPT, "raise"] + ([] if mpi4py_run else ["--install"])
+    result, elapsed = _timed(2, args, python_module_mpi4py=mpi4py_run, timeout=60)
+    out = result.stdout
+    assert result.returncode != 0, out
+    assert "RuntimeError: boom on rank 1 at step 3" in out and "Traceback" in out, out
+    assert "rank 0: finished" not in out, out
+    assert elapsed < 10, f"took {elapsed:.1f} s\n{out}"
+
+
+def test_uncaught_exception_while_peer_waits_outside_hvddp_is_aborted_not_hung():
+    """Rank 0 waits in a raw MPI bcast from rank 1; only the abort hook can end that wait."""
+    result, elapsed = _timed(2, [SCRIPT, "raise_raw", "--install"], python_module_mpi4py=False,
+                             timeout=60)
+    out = result.stdout
+    assert result.returncode != 0, out
+    assert "uncaught RuntimeError on rank 1 of 2" in out, out
+    assert "RuntimeError: boom on rank 1 at step 3" in out, out
+    assert elapsed < 10, f"took {elapsed:.1f} s\n{out}"
+
+
+def test_init_alone_installs_the_abort_hook():
+    """Plain `mpiexec -n 2 python train.py`: hvddp.init() itself makes the exception abort the job."""
+    result, elapsed = _timed(2, [SCRIPT, "raise_raw"], python_module_mpi4py=False, timeout=60)
+    out = result.stdout
+    assert "installed=True" in out, out
+    assert result.returncode != 0 and "RuntimeError: boom on rank 1" in out, out
+    assert elapsed < 10, f"took {elapsed:.1f} s\n{out}"
+
+
+@pytest.mark.parametrize("mode", ["sigkill", "exit3"])
+def test_rank_dies_mid_collective_under_mpiexec(mode):
+    result, elapsed = _timed(2, [SCRIPT, mode], timeout=60)
+    out = result.stdout
+    assert result.returncode != 0, out
+    assert "rank 0: finished" not in out, out
+    if mode == "sigkill":  # hydra names a pid of the job (not always the culprit's) and the signal
+        pids = [line.split()[4] for line in out.splitlines() if ": started pid" in line]
+        assert any(f"PID {pid} " in out for pid in pids) and "signal 9" in out.lower(), out
+    assert elapsed < 30, f"took {elapsed:.1f} s\n{out}"
+
+
+@pytest.mark.parametrize("mode, what", [("sigkill", "was killed by signal 9 (SIGKILL)"),
+                                        ("exit3", "exited with code 3"),
+                                        ("exit0", "exited with code 0 without finishing")])
+def test_rank_dies_mid_collective_under_hvddprun(mode, what):
+    """hvddprun's rank monitor names the rank that died first and how; the rest were stopped."""
+    result, elapsed = hvddprun(["-np", "2", "python", SCRIPT, mode], timeout=60)
+    out = result.stdout
+    assert result.returncode != 0, out  # exit0 included: hydra alone would report success
+    assert "rank 0: finished" not in out, out
+    pid1 = next(line.split()[4] for line in out.splitlines() if line.startswith("rank 1: started pid"))
+    assert f"hvddprun: the first rank to fail: rank 1 (pid {pid1} on " in out and what in out, out
+    assert "hvddprun: the launcher then stopped rank 0." in out, out
+    # MPICH leaves its /dev/shm segment behind when ranks are killed; hvddprun removes it.
+    assert "shared-memory segment(s) the failed ranks left" in out, out
+    assert elapsed < 30, f"took {elapsed:.1f} s\n{out}"
+
+
+MONITOR = [sys.executable, os.path.join(ROOT, "hvddp", "_faults.py"), "--rank-monitor", "--",
+           sys.executable, "-c", "import os, sys, time; print(os.getpid(), flush=True); time.sleep(60)"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_rank_monitor_killed_takes_its_rank_along():
+    """Launchers kill what they started (the monitor); the rank must not live on, orphaned."""
+    monitor = subprocess.Popen(MONITOR, stdout=subprocess.PIPE, text=True)
+    child = int(monitor.stdout.readline())
+    assert _alive(child)
+    monitor.kill()
+    monitor.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def test_rank_monitor_forwards_signals_and_stays_quiet_when_stopped():
+    monitor = subprocess.Popen(MONITOR, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = int(monitor.stdout.readline())
+    monitor.terminate()  # what a launcher does to the ranks it stops
+    _, err = monitor.communicate(timeout=30)
+    assert monitor.returncode == -15 and not _alive(child), err
+    assert "hvddprun:" not in err, err  # stopped by the launcher is not a failure of this rank
+
+
+def test_uncaught_exception_under_hvddprun_names_the_rank():
+    result, elapsed = hvddprun(["-np", "2", "python", SCRIPT, "raise"], timeout=60)
+    out = result.stdout
+    assert result.returncode != 0, out
+    assert "hvddprun: rank 1 (pid" in out and "raised RuntimeError: boom on rank 1 at step 3" in out, out
+    assert elapsed < 10, f"took {elapsed:.1f} s\n{out}"
+
+
+def test_stall_shutdown_raises_on_every_rank_naming_tensors_and_ranks():
+    env = {"HVDDP_STALL_CHECK_TIME_SECONDS": "1", "HVDDP_STALL_SHUTDOWN_TIME_SECONDS": "3"}
+    result, elapsed = _timed(2, [SCRIPT, "skip"], env=env, timeout=60)
+    out = result.stdout
+    assert result.returncode != 0, out
+    for rank in (0, 1):
+        line = next((l for l in out.splitlines() if f"rank {rank}: STALLERROR" in l), None)
+        assert line is not None, out
+        assert "'grad.step3'" in line and "missing on ranks [1]" in line, line
+        assert "'grad.step4'" in line and "missing on ranks [0]" in line, line
+        assert "HVDDP_STALL_SHUTDOWN_TIME_SECONDS=3" in line, line
+    assert elapsed < 10, f"took {elapsed:.1f} s\n{out}"
+
+
+def _engine_reports_broken_world() -> bool:
+    from hvddp.engine import loop
+
+    return "world_broken" in open(loop.__file__).read()
+
+
+def test_stall_shutdown_ends_the_job_when_a_rank_is_stuck_in_its_own_code():
+    """Rank 1 sleeps outside hvddp: only rank 0 sees the StallError, yet the job must end.
+
+    Rank 0 exits after its StallError; MPI_Finalize would then wait for rank 1 forever. The
+    engine marks the world broken (_faults.world_broken) and the exit aborts the job instead.
+    Until the engine calls world_broken itself, the script patches Engine._stop_with to do it.
+    """
+    args = [SCRIPT, "stuck"] + ([] if _engine_reports_broken_world() else ["--patch-engine"])
+    env = {"HVDDP_STALL_CHECK_TIME_SECONDS": "1", "HVDDP_STALL_SHUTDOWN_TIME_SECONDS": "3"}
+    result, elapsed = _timed(2, args, env=env, timeout=60)
+    out = result.stdout
+    assert result.returncode != 0, out
+    assert "rank 0: STALLERROR" in out and "missing on ranks [1]" in out, out
+    assert "aborting the job (MPI_Abort) instead of finalizing MPI" in out, out
+    assert elapsed < 10, f"took {elapsed:.1f} s\n{out}"
+
+
+@pytest.mark.parametrize("log_level", [None, "ERROR"])
+def test_stall_without_shutdown_warns_after_check_time_and_recovers(log_level):
+    """The warning is rank-prefixed, logged once by rank 0, and HVDDP_LOG_LEVEL=ERROR hides it."""
+    env = {"HVDDP_STALL_CHECK_TIME_SECONDS": "1"}
+    if log_level:
+        env["HVDDP_LOG_LEVEL"] = log_level
+    result, elapsed = _timed(2, [SCRIPT, "slow"], env=env, timeout=60)
+    out = result.stdout
+    assert result.returncode == 0, out
+    warning = [l for l in out.splitlines() if "WARNING: stalled collectives" in l]
+    assert "rank 0: finished" in out and "rank 1: finished" in out, out
+    if log_level == "ERROR":
+        assert warning == [], out
+        return
+    assert len(warning) == 1 and warning[0].startswith("[hvddp rank 0]"), out
+    assert "'grad.step3'" in warning[0] and "missing on ranks [1]" in warning[0], warning
+
+
+@pytest.mark.parametrize("variable", ["OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS"])
+def test_launcher_mismatch_fails_at_init_naming_both(variable):
+    library = subprocess.run([sys.executable, "-c", "import mpi4py; mpi4py.rc.initialize = False; "
+                              "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0].strip())"],
+                             capture_output=True, text=True, timeout=60).stdout.strip()
+    env = dict(os.environ, **{variable: "2"})
+    env.pop("PMI_SIZE", None)
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "tests/fault_scripts/launcher_mismatch.py"], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - start
+    out = result.stdout + result.stderr
+    assert result.returncode == 7, out
+    assert f"{variable}=2" in out and library in out and "hvddprun" in out, out
+    assert elapsed < 10, out

@@ -1,0 +1,192 @@
+"""hvddprun: real launches through the MPICH wheel's hydra, and its flag logic for each MPI."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hvddp import _faults, runner
+from runner_helper import hvddprun
+
+PRINT = "tests/fault_scripts/print_config.py"
+
+
+def _configs(out: str) -> dict:
+    found = {}
+    for piece in out.split("CONFIG ")[1:]:
+        data, _ = json.JSONDecoder().raw_decode(piece)
+        found[data["rank"]] = data
+    return found
+
+
+def _library_line() -> str:
+    code = ("import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; "
+            "print(MPI.Get_library_version().splitlines()[0].strip())")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60).stdout.strip()
+
+
+def test_settings_reach_every_rank_as_hvddp_variables(tmp_path):
+    timeline = tmp_path / "timeline.json"
+    result, _ = hvddprun(["-np", "2", "--fusion-threshold-mb", "8", "--cycle-time-ms", "2.5",
+                          "--timeline-filename", str(timeline), "--stall-check-warning-time-seconds", "7",
+                          "--stall-check-shutdown-time-seconds", "20", "--log-level", "error",
+                          "python", "-u", PRINT, "--flag", "x y"])
+    assert result.returncode == 0, result.stdout
+    configs = _configs(result.stdout)
+    assert sorted(configs) == [0, 1], result.stdout
+    for data in configs.values():
+        cfg = data["config"]
+        assert data["size"] == 2 and data["sum"] == 3.0
+        assert data["under_mpi4py_run"] is True  # hvddprun inserted -m mpi4py
+        assert data["argv"] == ["--flag", "x y"]  # arguments survive, quoting included
+        assert cfg["fusion_threshold_bytes"] == 8 << 20 and cfg["cycle_time_ms"] == 2.5
+        assert cfg["stall_check_time_s"] == 7 and cfg["stall_shutdown_time_s"] == 20
+        assert cfg["log_level"] == "ERROR" and cfg["timeline"] == str(timeline)
+    events = json.loads(timeline.read_text())  # rank 0 wrote it, and closed it at shutdown
+    assert {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "allreduce.ranks"}} in events
+
+
+@pytest.mark.parametrize("hosts", ["-H", "--hostfile"])
+def test_hosts_and_hostfile(tmp_path, hosts):
+    if hosts == "-H":
+        args = ["-H", "localhost:2"]
+    else:
+        hostfile = tmp_path / "hosts"
+        hostfile.write_text("# the only node\nlocalhost slots=2\n")
+        args = ["--hostfile", str(hostfile)]
+    result, _ = hvddprun(["-np", "2", *args, "python", PRINT])
+    assert result.returncode == 0, result.stdout
+    assert sorted(_configs(result.stdout)) == [0, 1], result.stdout
+
+
+@pytest.mark.parametrize("args, words", [
+    (["-np", "2", "--cycle-time-ms", "-1"], ["--cycle-time-ms", "HVDDP_CYCLE_TIME", "-1"]),
+    (["-np", "2", "--log-level", "loud"], ["--log-level", "HVDDP_LOG_LEVEL", "loud"]),
+    (["-np", "2", "--fusion-threshold-mb", "-3"], ["--fusion-threshold-mb", "HVDDP_FUSION_THRESHOLD"]),
+    (["-np", "2", "--stall-check-shutdown-time-seconds", "nan"], ["--stall-check-shutdown-time-seconds"]),
+    (["-np", "3", "-H", "localhost:2"], ["-np 3", "2 slots"]),
+    (["-np", "0"], ["-np must be >= 1"]),
+    (["-np", "2", "-H", "localhost:two"], ["slots must be a positive integer", "'two'"]),
+    (["python", "x.py"], ["-np N is required"]),
+    (["-np", "2"], ["no command given"]),
+])
+def test_bad_arguments_fail_before_launch_naming_the_option(args, words):
+    result, elapsed = hvddprun(args + ([] if args[-1].endswith(".py") or args == ["-np", "2"] else ["python", PRINT]))
+    assert result.returncode == 2, result.stdout
+    assert "CONFIG" not in result.stdout  # nothing was launched
+    for word in words:
+        assert word in result.stdout, result.stdout
+    assert elapsed < 10
+
+
+def test_dry_run_shows_hydra_command_with_genv_and_mpi4py():
+    result, _ = hvddprun(["-np", "3", "--cycle-time-ms", "4", "--dry-run", "python", "train.py", "--lr", "0.1"])
+    assert result.returncode == 0, result.stdout
+    words = result.stdout.split()
+    launch = runner.find_launch()
+    assert words[0] == launch.mpiexec and words[1:3] == ["-n", "3"]
+    i = words.index("HVDDP_CYCLE_TIME")
+    assert words[i - 1] == "-genv" and words[i + 1] == "4.0"
+    monitor = [sys.executable, os.path.abspath(_faults.__file__), "--rank-monitor", "--"]
+    assert words[-10:] == monitor + [sys.executable, "-m", "mpi4py", "train.py", "--lr", "0.1"]
+    result, _ = hvddprun(["-np", "2", "--no-rank-monitor", "--dry-run", "python", "train.py"])
+    assert "--rank-monitor" not in result.stdout and result.stdout.split()[-4:] == [
+        sys.executable, "-m", "mpi4py", "train.py"], result.stdout
+
+
+def test_finds_the_launcher_of_the_library_mpi4py_loads():
+    launch = runner.find_launch()
+    assert launch.library == _library_line()
+    assert launch.family == "mpich"  # this environment has the mpich wheel
+    version = subprocess.run([launch.mpiexec, "--version"], capture_output=True, text=True, timeout=30).stdout
+    assert runner.mpi_family(version) == "mpich"
+    assert os.path.realpath(os.path.dirname(launch.mpiexec)) == os.path.realpath(os.path.dirname(sys.executable))
+
+
+@pytest.mark.parametrize("text, family", [
+    ("MPICH Version:      5.0.2\nMPICH Release date: ...", "mpich"),
+    ("Open MPI v5.0.8, package: Open MPI ... Distribution, ident: 5.0.8", "openmpi"),
+    ("Intel(R) MPI Library 2021.13 for Linux* OS", "mpich"),
+    ("MVAPICH Version: 3.0", "mpich"),
+    ("mpiexec (OpenRTE) 4.1.6", "openmpi"),
+    ("HYDRA build details:\n    Version: 4.2.0", "mpich"),
+    ("Microsoft MPI 10.1", "unknown"),
+])
+def test_mpi_family(text, family):
+    assert runner.mpi_family(text) == family
+
+
+def test_open_mpi_flags_root_oversubscribe_and_env():
+    launch = runner.Launch("openmpi", "Open MPI v5.0.8", "/opt/ompi/bin/mpiexec")
+    env = {"HVDDP_CYCLE_TIME": "2.0"}
+    cmd = runner.build_command(launch, 4, ["python", "-m", "mpi4py", "t.py"], env, is_root=True, cpu_count=2)
+    assert cmd[:3] == ["/opt/ompi/bin/mpiexec", "-np", "4"]
+    assert "--allow-run-as-root" in cmd and "--oversubscribe" in cmd
+    assert cmd[cmd.index("--bind-to") + 1] == "none"
+    assert "HVDDP_CYCLE_TIME=2.0" == cmd[cmd.index("HVDDP_CYCLE_TIME=2.0") - 0] and \
+        cmd[cmd.index("HVDDP_CYCLE_TIME=2.0") - 1] == "-x"
+    assert cmd[-4:] == ["python", "-m", "mpi4py", "t.py"]
+    # not root, enough cores, hosts given: neither flag
+    cmd = runner.build_command(launch, 4, ["t"], env, hosts=[("a", 2), ("b", 2)], is_root=False, cpu_count=2)
+    assert "--allow-run-as-root" not in cmd and "--oversubscribe" not in cmd
+    assert cmd[cmd.index("-H") + 1] == "a:2,b:2"
+    cmd = runner.build_command(launch, 2, ["t"], env, is_root=False, cpu_count=2, mpi_args=["--tag-output"])
+    assert "--oversubscribe" not in cmd and cmd[-2:] == ["--tag-output", "t"]
+
+
+def test_hydra_flags_hosts_and_env():
+    launch = runner.Launch("mpich", "MPICH Version: 5.0.2", "/x/bin/mpiexec")
+    cmd = runner.build_command(launch, 3, ["t"], {"HVDDP_LOG_LEVEL": "DEBUG"}, hosts=[("n1", 2), ("n2", 1)],
+                               is_root=True, cpu_count=1)
+    assert cmd == ["/x/bin/mpiexec", "-n", "3", "-hosts", "n1:2,n2:1", "-genv", "HVDDP_LOG_LEVEL", "DEBUG", "t"]
+
+
+@pytest.mark.parametrize("command, expected", [
+    (["python", "-u", "t.py", "-v"], [sys.executable, "-u", "-m", "mpi4py", "t.py", "-v"]),
+    (["python3", "-W", "ignore", "-m", "pytest", "-q"],
+     [sys.executable, "-W", "ignore", "-m", "mpi4py", "-m", "pytest", "-q"]),
+    (["python", "-c", "print(1)"], [sys.executable, "-m", "mpi4py", "-c", "print(1)"]),
+    (["t.py", "--x"], [sys.executable, "-m", "mpi4py", "t.py", "--x"]),
+    ([sys.executable, "-m", "mpi4py", "t.py"], [sys.executable, "-m", "mpi4py", "t.py"]),
+    (["/usr/bin/python3", "t.py"], ["/usr/bin/python3", "-m", "mpi4py", "t.py"]),
+    (["bash", "run.sh"], ["bash", "run.sh"]),
+])
+def test_python_commands_get_mpi4py(command, expected):
+    assert runner.python_command(command) == expected
+
+
+def test_hostfile_formats(tmp_path):
+    f = tmp_path / "h"
+    f.write_text("a\nb:3\nc slots=2  # comment\n\n")
+    assert runner.parse_hostfile(str(f)) == [("a", 1), ("b", 3), ("c", 2)]
+    f.write_text("a slots=x\n")
+    with pytest.raises(ValueError, match="line 1"):
+        runner.parse_hostfile(str(f))
+
+
+def test_exit_code_of_the_job_is_returned():
+    result, _ = hvddprun(["-np", "2", "python", "-c", "import sys; from mpi4py import MPI; "
+                          "sys.exit(5 if MPI.COMM_WORLD.Get_rank() == 0 else 0)"])
+    assert result.returncode == 5, result.stdout
+
+
+def test_check_build_reports_library_threads_and_frameworks():
+    result, elapsed = hvddprun(["--check-build"], timeout=180)
+    out = result.stdout
+    assert result.returncode == 0, out
+    assert f"[X] library: {_library_line()} (mpich)" in out, out
+    assert "[X] thread level: multiple" in out, out
+    import torch
+
+    assert f"[X] PyTorch: {torch.__version__} (hvddp.torch)" in out, out
+    for name, module in (("TensorFlow", "tensorflow"), ("JAX", "jax")):
+        present = importlib.util.find_spec(module) is not None
+        assert (f"[X] {name}:" in out) == present, out
+    assert "[ ] CuPy" in out or "[X] CuPy" in out
+    assert ("[X] NCCL" in out) == (importlib.util.find_spec("cupy") is not None and "[X] CuPy" in out), out
