@@ -1,0 +1,147 @@
+"""Start-of-training helpers: make every replica equal to the root's (parameters, optimizer state)."""
+
+from __future__ import annotations
+
+import collections.abc
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+
+import torch
+
+import hvddp
+from hvddp import ProcessSet, global_process_set
+
+from .mpi_ops import broadcast_async_, synchronize
+
+__all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
+           "allgather_object"]
+
+
+class _TensorSpec:
+    """What a state tensor looks like on the root, so other ranks can allocate it."""
+
+    __slots__ = ("shape", "dtype")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.shape = tuple(tensor.shape)
+        self.dtype = tensor.dtype
+
+    def __getstate__(self):
+        return (self.shape, str(self.dtype).replace("torch.", ""))
+
+    def __setstate__(self, state):
+        self.shape, dtype = state
+        self.dtype = getattr(torch, dtype)
+
+
+def _named(params: Any) -> List[Tuple[str, torch.Tensor]]:
+    if isinstance(params, collections.abc.Mapping):
+        items = sorted(params.items())
+    elif isinstance(params, collections.abc.Iterable) and not isinstance(params, torch.Tensor):
+        items = []
+        for i, item in enumerate(params):
+            if isinstance(item, tuple) and len(item) == 2:
+                items.append(item)
+            elif isinstance(item, torch.Tensor):
+                items.append((f"noname.{i}", item))
+            else:
+                raise TypeError(f"broadcast_parameters: expected (name, tensor) pairs or tensors, "
+                                f"got an item of type {type(item).__name__} at position {i}.")
+    else:
+        raise TypeError(f"broadcast_parameters: params must be a state_dict, named_parameters() or "
+                        f"a list of tensors, got {type(params).__name__}.")
+    for name, tensor in items:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"broadcast_parameters: {name!r} is a {type(tensor).__name__}, not a tensor.")
+    return items
+
+
+def broadcast_parameters(params: Union[Dict[str, torch.Tensor], Iterable], root_rank: int,
+                         process_set: ProcessSet = global_process_set) -> None:
+    """Overwrite every rank's parameters (or buffers) in place with ``root_rank``'s.
+
+    Every member of ``process_set`` calls it with the same names, shapes and dtypes (a
+    ``model.state_dict()``, ``model.named_parameters()``, or a list of tensors in the same order).
+    Blocks until done.
+
+    Args:
+        params: a state_dict, an iterable of ``(name, tensor)`` pairs, or of tensors.
+        root_rank: the rank whose values everyone gets.
+        process_set: the ranks taking part.
+
+    Example:
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    """
+    handles = []
+    for name, tensor in _named(params):
+        handles.append(broadcast_async_(tensor.data, root_rank, f"broadcast_parameters.{name}",
+                                        process_set))
+    errors = []
+    for handle in handles:
+        try:
+            synchronize(handle)
+        except Exception as exc:  # wait for every handle before raising
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+                              process_set: ProcessSet = global_process_set) -> None:
+    """Make every rank's optimizer state and hyper-parameters equal to ``root_rank``'s.
+
+    Copies the param groups' hyper-parameters (``lr``, ``momentum``, ``betas``, ...) and the
+    per-parameter state (momentum buffers, Adam moments, step counts), also when the root's state
+    is still empty, or the others' is (a root that loaded a checkpoint). The root describes its
+    state once (``broadcast_object``); the tensors then move with in-place broadcasts. Works on
+    a plain optimizer and on a ``DistributedOptimizer`` and does not step it.
+
+    Raises:
+        ValueError: the optimizers do not have the same parameter groups on every rank.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"broadcast_optimizer_state: expected a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}.")
+    is_root = process_set.rank() == root_rank
+    local = optimizer.state_dict()
+    skeleton = None
+    if is_root:
+        skeleton = {"param_groups": local["param_groups"],
+                    "state": {k: {n: _TensorSpec(v) if isinstance(v, torch.Tensor) else v
+                                  for n, v in s.items()} for k, s in local["state"].items()}}
+    skeleton = hvddp.broadcast_object(skeleton, root_rank, "broadcast_optimizer_state.skeleton",
+                                      process_set)
+    mine = [len(g["params"]) for g in local["param_groups"]]
+    theirs = [len(g["params"]) for g in skeleton["param_groups"]]
+    if mine != theirs:
+        raise ValueError(f"broadcast_optimizer_state: rank {hvddp.rank()} has param groups of sizes "
+                         f"{mine}, root rank {root_rank} {theirs}; every rank must build the same "
+                         f"optimizer over the same model.")
+    state: Dict[Any, Dict[str, Any]] = {}
+    handles = []
+    for key in sorted(skeleton["state"], key=str):
+        entry = {}
+        for field, value in skeleton["state"][key].items():
+            if isinstance(value, _TensorSpec):
+                tensor = (local["state"][key][field].detach() if is_root
+                          else torch.empty(value.shape, dtype=value.dtype))
+                handles.append(broadcast_async_(tensor, root_rank,
+                                                f"broadcast_optimizer_state.{key}.{field}", process_set))
+                value = tensor
+            entry[field] = value
+        state[key] = entry
+    for handle in handles:
+        synchronize(handle)
+    if not is_root:
+        optimizer.load_state_dict({"state": state, "param_groups": skeleton["param_groups"]})
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Return ``root_rank``'s picklable ``obj`` on every rank (torch tensors included)."""
+    return hvddp.broadcast_object(obj, root_rank, name, process_set)
+
+
+def allgather_object(obj: Any, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> List[Any]:
+    """Return the list of every rank's picklable ``obj``, in rank order."""
+    return hvddp.allgather_object(obj, name, process_set)

@@ -1,0 +1,591 @@
+"""Collectives on torch tensors, zero-copy on CPU, differentiable where Horovod's are.
+
+Every function mirrors its Horovod namesake (same positional order) and forwards to the numpy
+core in ``hvddp``: CPU tensors are handed over as numpy views of their own memory, so the
+in-place forms (``allreduce_``, ``broadcast_``, ...) reduce straight into the tensor. Tensors on
+another device are staged through host memory. The contract across ranks is the core's:
+every member of ``process_set`` submits the same ``name`` with the same dtype, shape (dim 0 may
+differ for allgather) and op; a disagreement raises ``hvddp.MismatchError`` (a RuntimeError) on
+every rank, and a second pending op with the same name is a ``ValueError``. In a size-1 run each
+collective returns a copy of its input, scaled as the op says.
+
+Autograd (as in Horovod): ``allreduce``, ``grouped_allreduce``, ``allgather``,
+``grouped_allgather``, ``broadcast``, ``alltoall``, ``reducescatter`` and
+``grouped_reducescatter`` are differentiable. The backward of allreduce is the same allreduce of
+the gradient (Average/Sum; also with the scale factors), of allgather an Average-allreduce of
+the gradient sliced to this rank's rows, of broadcast an Average-allreduce kept on the root only,
+of alltoall the reverse alltoall, of reducescatter an allgather (divided by the size for
+Average). In-place and ``_async`` forms are not differentiable.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+import torch
+
+import hvddp
+from hvddp import Average, ProcessSet, ReduceOp, Sum, global_process_set
+
+from ._convert import Handle, as_tensor, check_tensor, source, target
+from .compression import Compression, Compressor
+
+__all__ = [
+    "Handle", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
+    "sparse_allreduce_async", "allgather", "allgather_async", "grouped_allgather",
+    "grouped_allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async", "grouped_reducescatter",
+    "grouped_reducescatter_async", "poll", "synchronize", "join", "barrier",
+]
+
+
+def _grad_name(name: Optional[str]) -> Optional[str]:
+    return None if name is None else f"{name}.grad"
+
+
+def _tensors(tensors: Any, fn: str) -> List[torch.Tensor]:
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{fn}: tensors must be a list or tuple of torch tensors, got "
+                        f"{type(tensors).__name__}.")
+    return [check_tensor(t, fn, f"tensors[{i}]") for i, t in enumerate(tensors)]
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _out(like: torch.Tensor):
+    return lambda results: as_tensor(results[0], like)
+
+
+def _outs(likes: Sequence[torch.Tensor]):
+    def finish(results):
+        arrays = results[0]
+        if not isinstance(arrays, list):  # the core returns a one-member group's array bare
+            arrays = [arrays]
+        return [as_tensor(a, t) for a, t in zip(arrays, likes)]
+    return finish
+
+
+def _inplace(tensors: Sequence[torch.Tensor], copy_backs, single: bool):
+    def finish(results):
+        for copy_back in copy_backs:
+            if copy_back is not None:
+                copy_back()
+        return tensors[0] if single else list(tensors)
+    return finish
+
+
+# allreduce --------------------------------------------------------------------------------
+def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+                    op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """Start reducing ``tensor`` across ranks; ``synchronize(handle)`` returns a new tensor.
+
+    Every member of ``process_set`` must submit ``name`` with the same dtype, shape, op and scale
+    factors. The result is ``postscale * op(prescale * tensor_r for every rank r)``; Average
+    divides by the set's size (integers truncate toward zero). ``tensor`` is not modified.
+
+    Args:
+        tensor: a dense tensor of a supported dtype (bool only with Min/Max).
+        average: legacy flag; True means ``op=Average``, False ``op=Sum``.
+        name: the name that matches this call across ranks; automatic when None.
+        op: ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result after it.
+        process_set: the ranks taking part; every rank by default.
+
+    Returns:
+        A ``Handle``.
+
+    Raises:
+        TypeError, ValueError: a bad argument, or ``name`` already pending.
+    """
+    check_tensor(tensor, "allreduce")
+    core = hvddp.allreduce_async(source(tensor), average, name, op, prescale_factor,
+                                 postscale_factor, process_set)
+    return Handle(core.name, [core], _out(tensor))
+
+
+def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+                     op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
+                     postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> Handle:
+    """Start reducing ``tensor`` in place; ``synchronize(handle)`` returns ``tensor``.
+
+    Do not read or write ``tensor`` until the handle is synchronized: the engine writes into
+    its memory. Same contract as ``allreduce_async``.
+    """
+    check_tensor(tensor, "allreduce_")
+    buf, copy_back = target(tensor)
+    core = hvddp.allreduce_async_(buf, average, name, op, prescale_factor, postscale_factor, process_set)
+    return Handle(core.name, [core], _inplace([tensor], [copy_back], True))
+
+
+def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+               op: Optional[ReduceOp] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Reduce ``tensor`` in place across ranks and return it; blocks. Not differentiable."""
+    return allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
+                            process_set).wait()
+
+
+class _Allreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, average, name, op, prescale_factor, postscale_factor, process_set):
+        ctx.args = (average, name, op, prescale_factor, postscale_factor, process_set)
+        return allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor,
+                               process_set).wait()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        average, name, op, pre, post, process_set = ctx.args
+        _check_differentiable(op, average)
+        grad = allreduce_async(grad_output.contiguous(), average, _grad_name(name), op, pre, post,
+                               process_set).wait()
+        return grad, None, None, None, None, None, None
+
+
+def _check_differentiable(op, average) -> None:
+    if average is None and op is not None and ReduceOp(op) not in (Average, Sum):
+        raise RuntimeError(f"allreduce with op={ReduceOp(op)!r} is not differentiable in hvddp; "
+                           f"only Average and Sum are. Detach the input (tensor.detach()).")
+
+
+def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+              compression: Compressor = Compression.none, op: Optional[ReduceOp] = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Reduce ``tensor`` across ranks and return a new tensor; blocks; differentiable.
+
+    ``compression`` casts the tensor (e.g. to float16) for the collective and back afterwards.
+    See ``allreduce_async`` for the contract across ranks.
+    """
+    check_tensor(tensor, "allreduce")
+    compressed, ctx = compression.compress(tensor)
+    if _needs_grad(compressed):
+        out = _Allreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor,
+                               process_set)
+    else:
+        out = allreduce_async(compressed, average, name, op, prescale_factor, postscale_factor,
+                              process_set).wait()
+    return compression.decompress(out, ctx)
+
+
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                            name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> Handle:
+    """Start reducing a list of tensors as one atomic group; the result is a list of new tensors.
+
+    Members are named ``<name>.<i>``; every rank passes the same number of tensors with the same
+    shapes and dtypes in the same order.
+    """
+    tensors = _tensors(tensors, "grouped_allreduce")
+    core = hvddp.grouped_allreduce_async([source(t) for t in tensors], average, name, op,
+                                         prescale_factor, postscale_factor, process_set)
+    return Handle(core.name, [core], _outs(tensors))
+
+
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                             name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> Handle:
+    """Start reducing a list of tensors in place as one group; the result is the list."""
+    tensors = _tensors(tensors, "grouped_allreduce_")
+    bufs = [target(t) for t in tensors]
+    core = hvddp.grouped_allreduce_async_([b for b, _ in bufs], average, name, op, prescale_factor,
+                                          postscale_factor, process_set)
+    return Handle(core.name, [core], _inplace(tensors, [c for _, c in bufs], False))
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                       name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
+    """Reduce a list of tensors in place as one group and return it; blocks."""
+    return grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                    process_set).wait()
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, average, name, op, prescale_factor, postscale_factor, process_set, *tensors):
+        ctx.args = (average, name, op, prescale_factor, postscale_factor, process_set)
+        return tuple(grouped_allreduce_async(list(tensors), average, name, op, prescale_factor,
+                                             postscale_factor, process_set).wait())
+
+    @staticmethod
+    def backward(ctx, *grads):
+        average, name, op, pre, post, process_set = ctx.args
+        _check_differentiable(op, average)
+        out = grouped_allreduce_async([g.contiguous() for g in grads], average, _grad_name(name), op,
+                                      pre, post, process_set).wait()
+        return (None,) * 6 + tuple(out)
+
+
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                      name: Optional[str] = None, compression: Compressor = Compression.none,
+                      op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
+    """Reduce a list of tensors as one group and return new tensors; blocks; differentiable."""
+    tensors = _tensors(tensors, "grouped_allreduce")
+    pairs = [compression.compress(t) for t in tensors]
+    compressed = [c for c, _ in pairs]
+    if _needs_grad(*compressed):
+        outs = list(_GroupedAllreduce.apply(average, name, op, prescale_factor, postscale_factor,
+                                            process_set, *compressed))
+    else:
+        outs = grouped_allreduce_async(compressed, average, name, op, prescale_factor,
+                                       postscale_factor, process_set).wait()
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: ReduceOp = Average,
+                           process_set: ProcessSet = global_process_set) -> Handle:
+    """Start reducing a sparse COO tensor by allgathering its indices and values.
+
+    The result (from ``synchronize``) is an uncoalesced sparse tensor holding every rank's
+    entries, values divided by the set's size for ``op=Average``. Only Average and Sum apply.
+    Uses the names ``<name>.indices`` and ``<name>.values``.
+    """
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
+        raise TypeError(f"sparse_allreduce_async: tensor must be a sparse COO torch tensor, got "
+                        f"{getattr(tensor, 'layout', type(tensor).__name__)}.")
+    op = ReduceOp(op)
+    if op not in (Average, Sum):
+        raise ValueError(f"sparse_allreduce_async: op must be Average or Sum, got {op!r}.")
+    t = tensor.coalesce() if not tensor.is_coalesced() else tensor
+    indices = t.indices().t().contiguous()
+    values = check_tensor(t.values().contiguous(), "sparse_allreduce_async", "tensor values")
+    h_values = hvddp.allgather_async(source(values), f"{name}.values", process_set)
+    h_indices = hvddp.allgather_async(source(indices), f"{name}.indices", process_set)
+    n = process_set.size()
+
+    def finish(results):
+        values_all = as_tensor(results[0], tensor)
+        indices_all = as_tensor(results[1], tensor)
+        if op == Average:
+            values_all = values_all / n
+        return torch.sparse_coo_tensor(indices_all.t(), values_all, tensor.shape, check_invariants=False)
+
+    return Handle(name, [h_values, h_indices], finish)
+
+
+# allgather --------------------------------------------------------------------------------
+def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """Start concatenating every rank's ``tensor`` along dim 0, in rank order.
+
+    Dim 0 may differ across ranks; dtype and the other dimensions must match.
+    """
+    check_tensor(tensor, "allgather")
+    core = hvddp.allgather_async(source(tensor), name, process_set)
+    return Handle(core.name, [core], _out(tensor))
+
+
+def _rows_offset(rows: int, name: Optional[str], process_set: ProcessSet):
+    counts = hvddp.allgather(torch.tensor([rows], dtype=torch.int64).numpy(),
+                             None if name is None else f"{name}.rows", process_set)
+    return int(counts[:process_set.rank()].sum())
+
+
+class _Allgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, process_set):
+        ctx.args = (tensor.shape[0], name, process_set)
+        return allgather_async(tensor, name, process_set).wait()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        rows, name, process_set = ctx.args
+        grad = allreduce_async(grad_output.contiguous(), None, _grad_name(name), Average,
+                               process_set=process_set).wait()
+        offset = _rows_offset(rows, _grad_name(name), process_set)
+        return grad.narrow(0, offset, rows), None, None
+
+
+def allgather(tensor: torch.Tensor, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along dim 0; blocks; differentiable."""
+    check_tensor(tensor, "allgather")
+    if _needs_grad(tensor):
+        if tensor.dim() == 0:
+            raise ValueError("allgather: tensor is 0-d; pass at least a 1-d tensor (x.reshape(1)).")
+        return _Allgather.apply(tensor, name, process_set)
+    return allgather_async(tensor, name, process_set).wait()
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                            process_set: ProcessSet = global_process_set) -> Handle:
+    """Start allgathering a list of tensors as one group; the result is a list."""
+    tensors = _tensors(tensors, "grouped_allgather")
+    core = hvddp.grouped_allgather_async([source(t) for t in tensors], name, process_set)
+    return Handle(core.name, [core], _outs(tensors))
+
+
+class _GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        ctx.args = ([t.shape[0] for t in tensors], name, process_set)
+        return tuple(grouped_allgather_async(list(tensors), name, process_set).wait())
+
+    @staticmethod
+    def backward(ctx, *grads):
+        rows, name, process_set = ctx.args
+        reduced = grouped_allreduce_async([g.contiguous() for g in grads], None, _grad_name(name),
+                                          Average, process_set=process_set).wait()
+        counts = hvddp.allgather(torch.tensor([rows], dtype=torch.int64).numpy(),
+                                 None if name is None else f"{name}.grad.rows", process_set)
+        offsets = counts[:process_set.rank()].sum(axis=0).tolist()
+        return (None, None) + tuple(g.narrow(0, int(o), r) for g, o, r in zip(reduced, offsets, rows))
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                      process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
+    """Allgather a list of tensors as one group; blocks; differentiable."""
+    tensors = _tensors(tensors, "grouped_allgather")
+    if _needs_grad(*tensors):
+        return list(_GroupedAllgather.apply(name, process_set, *tensors))
+    return grouped_allgather_async(tensors, name, process_set).wait()
+
+
+# broadcast --------------------------------------------------------------------------------
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """Start copying ``root_rank``'s ``tensor`` to every rank; the result is a new tensor.
+
+    ``root_rank`` is a rank within ``process_set``; shape and dtype must match on every rank.
+    """
+    check_tensor(tensor, "broadcast")
+    core = hvddp.broadcast_async(source(tensor), root_rank, name, process_set)
+    return Handle(core.name, [core], _out(tensor))
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Handle:
+    """Start overwriting ``tensor`` with ``root_rank``'s values, in place."""
+    check_tensor(tensor, "broadcast_")
+    buf, copy_back = target(tensor)
+    core = hvddp.broadcast_async_(buf, root_rank, name, process_set)
+    return Handle(core.name, [core], _inplace([tensor], [copy_back], True))
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Overwrite ``tensor`` with ``root_rank``'s values in place and return it; blocks."""
+    return broadcast_async_(tensor, root_rank, name, process_set).wait()
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name, process_set):
+        ctx.args = (root_rank, name, process_set)
+        return broadcast_async(tensor, root_rank, name, process_set).wait()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        root_rank, name, process_set = ctx.args
+        grad = allreduce_async(grad_output.contiguous(), None, _grad_name(name), Average,
+                               process_set=process_set).wait()
+        if process_set.rank() != root_rank:
+            grad = torch.zeros_like(grad)
+        return grad, None, None, None
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Return ``root_rank``'s ``tensor`` on every rank as a new tensor; blocks; differentiable."""
+    check_tensor(tensor, "broadcast")
+    if _needs_grad(tensor):
+        return _Broadcast.apply(tensor, root_rank, name, process_set)
+    return broadcast_async(tensor, root_rank, name, process_set).wait()
+
+
+# alltoall ---------------------------------------------------------------------------------
+def _splits_list(splits: Any) -> Optional[List[int]]:
+    if splits is None:
+        return None
+    if isinstance(splits, torch.Tensor):
+        return [int(s) for s in splits.reshape(-1).tolist()]
+    return list(splits)
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
+                   process_set: ProcessSet = global_process_set) -> Handle:
+    """Start sending ``splits[i]`` rows of ``tensor`` to rank ``i`` and receiving theirs.
+
+    Equal splits when None (dim 0 must divide by the set's size). The handle's result is
+    ``(output, received_splits)``, ``received_splits`` an int32 tensor.
+    """
+    check_tensor(tensor, "alltoall")
+    core = hvddp.alltoall_async(source(tensor), _splits_list(splits), name, process_set)
+
+    def finish(results):
+        output, received = results[0]
+        return as_tensor(output, tensor), torch.from_numpy(received)
+
+    return Handle(core.name, [core], finish)
+
+
+class _Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, splits, name, process_set):
+        output, received = alltoall_async(tensor, splits, name, process_set).wait()
+        ctx.args = (received, name, process_set)
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx, grad_output, _grad_splits):
+        received, name, process_set = ctx.args
+        grad, _ = alltoall_async(grad_output.contiguous(), received, _grad_name(name),
+                                 process_set).wait()
+        return grad, None, None, None
+
+
+def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
+             process_set: ProcessSet = global_process_set):
+    """Exchange slices of ``tensor`` with every rank; blocks; differentiable.
+
+    Returns:
+        The received tensor; with ``splits`` given, ``(output, received_splits)``.
+    """
+    check_tensor(tensor, "alltoall")
+    if _needs_grad(tensor):
+        output, received = _Alltoall.apply(tensor, splits, name, process_set)
+    else:
+        output, received = alltoall_async(tensor, splits, name, process_set).wait()
+    return output if splits is None else (output, received)
+
+
+# reducescatter ----------------------------------------------------------------------------
+def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: ReduceOp = Average,
+                        process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> Handle:
+    """Start reducing ``tensor`` across ranks, keeping this rank's slice of dim 0.
+
+    Rows are split as evenly as possible, the first ``rows % size`` ranks getting one more.
+    """
+    check_tensor(tensor, "reducescatter")
+    core = hvddp.reducescatter_async(source(tensor), name, op, process_set, prescale_factor,
+                                     postscale_factor)
+    return Handle(core.name, [core], _out(tensor))
+
+
+def _scatter_grad_factor(op, pre, post, process_set) -> float:
+    op = Average if op is None else ReduceOp(op)
+    if op not in (Average, Sum):
+        raise RuntimeError(f"reducescatter with op={op!r} is not differentiable in hvddp; only "
+                           f"Average and Sum are.")
+    return pre * post / (process_set.size() if op == Average else 1)
+
+
+class _Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, op, process_set, prescale_factor, postscale_factor):
+        ctx.args = (name, op, process_set, prescale_factor, postscale_factor)
+        return reducescatter_async(tensor, name, op, process_set, prescale_factor,
+                                   postscale_factor).wait()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        name, op, process_set, pre, post = ctx.args
+        factor = _scatter_grad_factor(op, pre, post, process_set)
+        grad = allgather_async(grad_output.contiguous(), _grad_name(name), process_set).wait()
+        return grad * factor, None, None, None, None, None
+
+
+def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
+                  compression: Compressor = Compression.none, op: ReduceOp = Average,
+                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce ``tensor`` across ranks and return this rank's slice; blocks; differentiable."""
+    check_tensor(tensor, "reducescatter")
+    compressed, ctx = compression.compress(tensor)
+    if _needs_grad(compressed):
+        out = _Reducescatter.apply(compressed, name, op, process_set, prescale_factor, postscale_factor)
+    else:
+        out = reducescatter_async(compressed, name, op, process_set, prescale_factor,
+                                  postscale_factor).wait()
+    return compression.decompress(out, ctx)
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                                op: ReduceOp = Average, process_set: ProcessSet = global_process_set,
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Start a reducescatter of each tensor in a list, as one group."""
+    tensors = _tensors(tensors, "grouped_reducescatter")
+    core = hvddp.grouped_reducescatter_async([source(t) for t in tensors], name, op, process_set,
+                                             prescale_factor, postscale_factor)
+    return Handle(core.name, [core], _outs(tensors))
+
+
+class _GroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, process_set, prescale_factor, postscale_factor, *tensors):
+        ctx.args = (name, op, process_set, prescale_factor, postscale_factor)
+        return tuple(grouped_reducescatter_async(list(tensors), name, op, process_set, prescale_factor,
+                                                 postscale_factor).wait())
+
+    @staticmethod
+    def backward(ctx, *grads):
+        name, op, process_set, pre, post = ctx.args
+        factor = _scatter_grad_factor(op, pre, post, process_set)
+        out = grouped_allgather_async([g.contiguous() for g in grads], _grad_name(name),
+                                      process_set).wait()
+        return (None,) * 5 + tuple(g * factor for g in out)
+
+
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                          compression: Compressor = Compression.none, op: ReduceOp = Average,
+                          process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> List[torch.Tensor]:
+    """Reducescatter each tensor in a list, as one group; blocks; differentiable."""
+    tensors = _tensors(tensors, "grouped_reducescatter")
+    pairs = [compression.compress(t) for t in tensors]
+    compressed = [c for c, _ in pairs]
+    if _needs_grad(*compressed):
+        outs = list(_GroupedReducescatter.apply(name, op, process_set, prescale_factor,
+                                                postscale_factor, *compressed))
+    else:
+        outs = grouped_reducescatter_async(compressed, name, op, process_set, prescale_factor,
+                                           postscale_factor).wait()
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
+
+
+# handles, join, barrier -------------------------------------------------------------------
+def poll(handle: Any) -> bool:
+    """Return True if the operation behind ``handle`` has completed; never blocks."""
+    if isinstance(handle, Handle):
+        return handle.done()
+    return hvddp.poll(handle)
+
+
+def synchronize(handle: Any, timeout: Optional[float] = None) -> Any:
+    """Wait for ``handle`` and return its result (a tensor, a list, or a pair for alltoall).
+
+    Raises:
+        hvddp.HvddpError: the collective failed; raised on every rank alike.
+        TimeoutError: ``timeout`` seconds passed first.
+    """
+    if isinstance(handle, Handle):
+        return handle.wait(timeout)
+    return hvddp.synchronize(handle, timeout)
+
+
+def join(device: int = -1) -> int:
+    """Declare that this rank has no more batches; return the last rank to join.
+
+    Until every rank has joined, this rank contributes zeros to the others' allreduces (so a
+    ``DistributedOptimizer`` step on the other ranks still completes). ``device`` is ignored.
+    """
+    return hvddp.join(device)
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Block until every member of ``process_set`` has called ``barrier``."""
+    hvddp.barrier(process_set)

@@ -1,0 +1,449 @@
+"""``DistributedOptimizer``: average gradients across ranks while backward is still running.
+
+A post-accumulate-grad hook on every parameter submits its gradient (in place, zero-copy) the
+moment autograd has finished accumulating it, so the engine reduces the last layers' gradients
+while the first layers' are still being computed. ``step()`` waits for the reductions and then
+runs the wrapped optimizer's own update on the averaged gradients.
+
+The wrapper is an instance of a class built as ``(mixin, type(optimizer))``: it is still an
+``isinstance`` of the wrapped optimizer's class, keeps the same ``state`` and ``param_groups``
+(the very same objects), ``state_dict()``/``load_state_dict()`` are the wrapped class's, and the
+class can be subclassed with zero-argument ``super()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import numbers
+import weakref
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+import hvddp
+from hvddp import Average, HvddpError, ProcessSet, ReduceOp, Sum, global_process_set
+
+from ._convert import as_numpy
+from .compression import Compression, Compressor
+from .mpi_ops import allreduce_async_, grouped_allreduce_async_, sparse_allreduce_async
+
+__all__ = ["DistributedOptimizer"]
+
+_instances = itertools.count()
+
+
+def _split_list(items: list, n: int) -> List[list]:
+    d, r = divmod(len(items), n)
+    return [items[i * d + min(i, r):(i + 1) * d + min(i + 1, r)] for i in range(n)]
+
+
+class _Flight:
+    """One submitted reduction (a parameter, or a group of them) and how to finish it."""
+
+    __slots__ = ("handle", "items", "grouped")
+
+    def __init__(self, handle, items: Optional[List[Tuple[torch.Tensor, torch.Tensor, Any, bool]]],
+                 grouped: bool = False) -> None:
+        self.handle = handle
+        self.items = items  # (param, tensor sent, compression ctx, sparse); None: in place on p.grad
+        self.grouped = grouped
+
+    def finish(self, compression: Compressor) -> None:
+        result = self.handle.wait()
+        if self.items is None:
+            return
+        for (p, sent, ctx, sparse), out in zip(self.items, result if self.grouped else [result]):
+            if sparse:
+                p.grad = out
+                continue
+            if out is p.grad:  # reduced in place, zero-copy
+                continue
+            value = compression.decompress(out, ctx)
+            if p.grad is None or p.grad.layout != torch.strided or p.grad.shape != value.shape:
+                p.grad = value.to(p.dtype)
+            else:
+                p.grad.copy_(value)
+
+
+def _weak_hook(optimizer) -> Callable[[torch.Tensor], None]:
+    ref = weakref.ref(optimizer)
+
+    def hook(p: torch.Tensor) -> None:
+        opt = ref()
+        if opt is not None:
+            opt._hvddp_hook(p)
+
+    return hook
+
+
+def _remove_hooks(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+class _DistributedOptimizer:
+    """Mixin put first in the wrapper's bases; see ``DistributedOptimizer``."""
+
+    def __init__(self, params, *args, named_parameters=None, compression: Compressor = Compression.none,
+                 backward_passes_per_step: int = 1, op: ReduceOp = Average,
+                 gradient_predivide_factor: float = 1.0, groups=None, sparse_as_dense: bool = False,
+                 process_set: ProcessSet = global_process_set, **kwargs) -> None:
+        super().__init__(params, *args, **kwargs)
+        self._hvddp_setup(named_parameters, compression, backward_passes_per_step, op,
+                          gradient_predivide_factor, groups, sparse_as_dense, process_set)
+
+    # set-up ------------------------------------------------------------------------------
+    def _hvddp_setup(self, named_parameters, compression, backward_passes_per_step, op,
+                     gradient_predivide_factor, groups, sparse_as_dense, process_set) -> None:
+        if (isinstance(backward_passes_per_step, bool)
+                or not isinstance(backward_passes_per_step, numbers.Integral)):
+            raise TypeError(f"`backward_passes_per_step` must be an int >= 1, got "
+                            f"{type(backward_passes_per_step).__name__} {backward_passes_per_step!r}.")
+        if backward_passes_per_step < 1:
+            raise ValueError(f"`backward_passes_per_step` must be >= 1, got {backward_passes_per_step}.")
+        try:
+            op = ReduceOp(op)
+        except ValueError:
+            raise ValueError(f"DistributedOptimizer: op must be hvddp.Average or hvddp.Sum, got {op!r}.") from None
+        if op is ReduceOp.ADASUM:
+            raise ValueError("DistributedOptimizer: op=Adasum is not implemented in hvddp; use Average or Sum.")
+        if op not in (Average, Sum):
+            raise ValueError(f"DistributedOptimizer: op must be hvddp.Average or hvddp.Sum, got {op!r}.")
+        if not isinstance(gradient_predivide_factor, numbers.Real) or gradient_predivide_factor <= 0:
+            raise ValueError(f"`gradient_predivide_factor` must be a positive number, got "
+                             f"{gradient_predivide_factor!r}.")
+        if gradient_predivide_factor != 1.0 and op is not Average:
+            raise ValueError(f"`gradient_predivide_factor` applies only to op=Average, got op={op!r} "
+                             f"with gradient_predivide_factor={gradient_predivide_factor}.")
+        if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
+            raise TypeError(f"`compression` must be one of hvddp.torch.Compression.none/fp16/bf16 (or "
+                            f"have compress/decompress), got {compression!r}.")
+        if not isinstance(process_set, ProcessSet):
+            raise TypeError(f"`process_set` must be an hvddp.ProcessSet, got {type(process_set).__name__}.")
+
+        params = [p for group in self.param_groups for p in group["params"]]
+        if named_parameters is not None:
+            named_parameters = list(named_parameters)
+            bad = [item for item in named_parameters
+                   if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str))]
+            if bad:
+                raise TypeError(f"`named_parameters` must be (name, parameter) pairs such as "
+                                f"model.named_parameters(), got {bad[0]!r}.")
+            names = [n for n, _ in named_parameters]
+            dups = sorted({n for n in names if names.count(n) > 1})
+            if dups:
+                raise ValueError(f"`named_parameters` has duplicate names {dups}; parameter names must "
+                                 f"be unique (they name the reductions across ranks).")
+            by_id = {id(p): n for n, p in named_parameters}
+            unnamed = [p for p in params if id(p) not in by_id]
+            if unnamed:
+                raise ValueError(f"`named_parameters` was given but {len(unnamed)} of the optimizer's "
+                                 f"parameters are not in it (shapes {[tuple(p.shape) for p in unnamed[:5]]}); "
+                                 f"pass model.named_parameters() of the model the optimizer was built on.")
+            self._hvddp_names = {p: by_id[id(p)] for p in params}
+        else:
+            self._hvddp_names = {p: f"noname.{i}.{j}" for i, group in enumerate(self.param_groups)
+                                 for j, p in enumerate(group["params"])}
+        index = next(_instances)
+        self._hvddp_prefix = "grad." if index == 0 else f"grad{index}."
+        self._hvddp_compression = compression
+        self._hvddp_plain = compression is Compression.none
+        self._hvddp_full_names = {p: self._hvddp_prefix + n for p, n in self._hvddp_names.items()}
+        self._hvddp_bpps = int(backward_passes_per_step)
+        self._hvddp_op = op
+        self._hvddp_pre = 1.0 / gradient_predivide_factor if op is Average else 1.0
+        self._hvddp_post = float(gradient_predivide_factor) if op is Average else 1.0
+        self._hvddp_sparse_as_dense = bool(sparse_as_dense)
+        self._hvddp_process_set = process_set
+        seen = set()
+        self._hvddp_params = []  # parameters that get reduced, in a fixed order
+        for p in params:
+            if p.requires_grad and p not in seen:
+                seen.add(p)
+                self._hvddp_params.append(p)
+        self._hvddp_groups = self._hvddp_make_groups(groups)
+        self._hvddp_group_of = {p: gi for gi, members in enumerate(self._hvddp_groups) for p in members}
+        self._hvddp_delay: Dict[torch.Tensor, int] = {p: self._hvddp_bpps for p in self._hvddp_params}
+        self._hvddp_touched: set = set()
+        self._hvddp_submitted: set = set()
+        self._hvddp_group_ready: Dict[int, set] = {}
+        self._hvddp_flights: List[_Flight] = []
+        self._hvddp_synchronized = False
+        self._hvddp_should_synchronize = True
+        self._hvddp_hooks = []
+        self._hvddp_active = process_set.size() > 1 and process_set.included()
+        if self._hvddp_active:
+            # The hooks hold the optimizer weakly and go away with it, so an optimizer that is
+            # replaced (or dropped) stops reducing the model's gradients.
+            self._hvddp_hook_fn = _weak_hook(self)
+            for p in self._hvddp_params:
+                self._hvddp_hooks.append(p.register_post_accumulate_grad_hook(self._hvddp_hook_fn))
+            weakref.finalize(self, _remove_hooks, self._hvddp_hooks)
+
+    def _hvddp_make_groups(self, groups) -> List[List[torch.Tensor]]:
+        if groups is None:
+            return []
+        if isinstance(groups, numbers.Integral) and not isinstance(groups, bool):
+            if groups < 1:
+                raise ValueError(f"`groups` must be >= 1 (or a list of parameter lists), got {groups}.")
+            return [g for g in _split_list(self._hvddp_params, int(groups)) if g]
+        if not isinstance(groups, (list, tuple)) or not all(isinstance(g, (list, tuple)) for g in groups):
+            raise TypeError(f"`groups` must be an int or a list of lists of parameters, got {groups!r}.")
+        valid = set(self._hvddp_params)
+        out, seen = [], set()
+        for gi, group in enumerate(groups):
+            for p in group:
+                if not isinstance(p, torch.Tensor) or p not in valid:
+                    raise ValueError(f"`groups[{gi}]` holds a tensor that is not a trainable parameter of "
+                                     f"this optimizer.")
+                if p in seen:
+                    raise ValueError(f"parameter {self._hvddp_names[p]!r} is in more than one group.")
+                seen.add(p)
+            if group:
+                out.append(list(group))
+        return out
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a parameter group (as the wrapped optimizer does) and reduce its gradients too."""
+        super().add_param_group(param_group)
+        if not hasattr(self, "_hvddp_names"):
+            return  # called from the wrapped class's __init__, before set-up
+        gi = len(self.param_groups) - 1
+        for j, p in enumerate(self.param_groups[-1]["params"]):
+            if p in self._hvddp_names or not p.requires_grad:
+                continue
+            self._hvddp_names[p] = f"noname.{gi}.{j}"
+            self._hvddp_full_names[p] = self._hvddp_prefix + self._hvddp_names[p]
+            self._hvddp_params.append(p)
+            self._hvddp_delay[p] = self._hvddp_bpps
+            if self._hvddp_active:
+                self._hvddp_hooks.append(p.register_post_accumulate_grad_hook(self._hvddp_hook_fn))
+
+    # backward side -----------------------------------------------------------------------
+    def _hvddp_hook(self, p: torch.Tensor) -> None:
+        delay = self._hvddp_delay[p]
+        if delay <= 0:
+            raise HvddpError(
+                f"the gradient of {self._hvddp_names[p]!r} was accumulated more than "
+                f"backward_passes_per_step={self._hvddp_bpps} times before step() (or synchronize()). "
+                f"Increase backward_passes_per_step to accumulate gradients locally, or call step() "
+                f"after each {self._hvddp_bpps} backward pass(es).")
+        delay -= 1
+        self._hvddp_delay[p] = delay
+        self._hvddp_touched.add(p)
+        if delay:
+            return
+        gi = self._hvddp_group_of.get(p)
+        if gi is None:
+            grad = p.grad
+            if (self._hvddp_plain and grad is not None and grad.layout == torch.strided
+                    and grad.device.type == "cpu"):
+                # The common case, kept short: the core reduces p.grad's own memory in place.
+                self._hvddp_submitted.add(p)
+                handle = hvddp.allreduce_async_(as_numpy(grad), None, self._hvddp_full_names[p],
+                                                self._hvddp_op, self._hvddp_pre, self._hvddp_post,
+                                                self._hvddp_process_set)
+                self._hvddp_flights.append(_Flight(handle, None))
+            else:
+                self._hvddp_submit([p], None)
+            return
+        ready = self._hvddp_group_ready.setdefault(gi, set())
+        ready.add(p)
+        if len(ready) == len(self._hvddp_groups[gi]):
+            self._hvddp_submit(self._hvddp_groups[gi], gi)
+
+    def _hvddp_submit(self, params: Sequence[torch.Tensor], gi: Optional[int]) -> None:
+        compression = self._hvddp_compression
+        dense: List[Tuple[torch.Tensor, torch.Tensor, Any, bool]] = []
+        for p in params:
+            self._hvddp_submitted.add(p)
+            grad = p.grad
+            if grad is None:
+                # Other ranks may have a gradient for it (a branch not taken here): submit zeros
+                # so that every rank submits the same names.
+                grad = p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if grad.layout != torch.strided:
+                if not self._hvddp_sparse_as_dense:
+                    name = self._hvddp_prefix + self._hvddp_names[p]
+                    handle = sparse_allreduce_async(grad, name, self._hvddp_op, self._hvddp_process_set)
+                    self._hvddp_flights.append(_Flight(handle, [(p, grad, None, True)]))
+                    continue
+                grad = grad.to_dense()
+            sent, ctx = compression.compress(grad)
+            dense.append((p, sent, ctx, False))
+        if not dense:
+            return
+        ps = self._hvddp_process_set
+        if gi is None:
+            p, sent, _, _ = dense[0]
+            handle = allreduce_async_(sent, None, self._hvddp_prefix + self._hvddp_names[p],
+                                      self._hvddp_op, self._hvddp_pre, self._hvddp_post, ps)
+        else:
+            handle = grouped_allreduce_async_([item[1] for item in dense], None,
+                                              f"{self._hvddp_prefix}group.{gi}", self._hvddp_op,
+                                              self._hvddp_pre, self._hvddp_post, ps)
+        self._hvddp_flights.append(_Flight(handle, dense, gi is not None))
+
+    # public API ---------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Finish reducing every gradient; afterwards ``p.grad`` holds the average on every rank.
+
+        Submits what the hooks have not (parameters without a gradient this step are reduced as
+        zeros so that every rank submits the same names), then waits. Call it before clipping
+        gradients, then run ``step()`` inside ``skip_synchronize()``.
+
+        Raises:
+            hvddp.HvddpError: a reduction failed (on every rank alike), e.g. shapes differ.
+        """
+        if not self._hvddp_active:
+            self._hvddp_synchronized = True
+            return
+        for gi, members in enumerate(self._hvddp_groups):
+            if members[0] not in self._hvddp_submitted:
+                self._hvddp_submit(members, gi)
+        for p in self._hvddp_params:
+            if p not in self._hvddp_submitted and p not in self._hvddp_group_of:
+                self._hvddp_submit([p], None)
+        flights, self._hvddp_flights = self._hvddp_flights, []
+        errors = []
+        for flight in flights:
+            try:
+                flight.finish(self._hvddp_compression)
+            except Exception as exc:  # wait for all before raising, so names are free again
+                errors.append(exc)
+        for p in self._hvddp_touched:
+            self._hvddp_delay[p] = self._hvddp_bpps
+        for p in self._hvddp_submitted:
+            self._hvddp_delay[p] = self._hvddp_bpps
+        self._hvddp_touched.clear()
+        self._hvddp_submitted.clear()
+        self._hvddp_group_ready.clear()
+        self._hvddp_synchronized = True
+        if errors:
+            raise errors[0]
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Within this block ``step()`` does not synchronize (you called ``synchronize()``).
+
+        Example:
+            loss.backward()
+            optimizer.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        """
+        self._hvddp_should_synchronize = False
+        try:
+            yield
+        finally:
+            self._hvddp_should_synchronize = True
+
+    def step(self, closure=None):
+        """Wait for the gradient reductions, then run the wrapped optimizer's update.
+
+        With a ``closure``, the gradients it computes are averaged before the update uses them.
+        After an explicit ``synchronize()`` with no backward since, nothing is reduced twice.
+        """
+        if self._hvddp_active and self._hvddp_should_synchronize:
+            if closure is not None:
+                inner = closure
+
+                def closure():
+                    loss = inner()
+                    self.synchronize()
+                    return loss
+            elif not (self._hvddp_synchronized and not self._hvddp_touched):
+                self.synchronize()
+        self._hvddp_synchronized = False
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset gradients as the wrapped optimizer does (``set_to_none`` as in torch).
+
+        Raises:
+            hvddp.HvddpError: gradients of this step are still being reduced (called after
+                ``backward()`` and before ``step()``/``synchronize()``).
+        """
+        if getattr(self, "_hvddp_touched", None):
+            some = sorted(self._hvddp_names[p] for p in self._hvddp_touched)[:3]
+            raise HvddpError(
+                f"zero_grad() was called after backward() and before step() or synchronize(): "
+                f"{len(self._hvddp_touched)} gradient(s) (e.g. {some}) are being reduced into "
+                f"p.grad. Call step() or synchronize() first.")
+        return super().zero_grad(set_to_none=set_to_none)
+
+
+# torch's Optimizer wraps ``type(self).step`` with its step-hook runner (in __init__ and again in
+# __setstate__, i.e. load_state_dict) unless it is marked; the wrapped class's own step is
+# already wrapped, so hooks would run twice.
+_DistributedOptimizer.step.hooked = True  # type: ignore[attr-defined]
+
+_classes: Dict[type, type] = {}
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,
+                         named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
+                         compression: Compressor = Compression.none,
+                         backward_passes_per_step: int = 1,
+                         op: ReduceOp = Average,
+                         gradient_predivide_factor: float = 1.0,
+                         groups=None,
+                         sparse_as_dense: bool = False,
+                         process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
+
+    Each parameter's gradient is reduced as soon as backward has accumulated it (its name is
+    ``grad.<parameter name>``, so every rank must build the same model and pass the same
+    ``named_parameters``). ``step()`` waits and then runs the wrapped update. The returned
+    object shares ``state`` and ``param_groups`` with ``optimizer`` and is an instance of its
+    class. In a size-1 run (or a size-1 ``process_set``) no hooks are installed and ``step()`` is
+    the wrapped one.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer``.
+        named_parameters: ``model.named_parameters()``; names the reductions (and errors).
+            Without it, parameters are named by position (``noname.<group>.<index>``).
+        compression: ``Compression.none`` (default), ``.fp16`` or ``.bf16``: the gradient is cast
+            for the reduction and back.
+        backward_passes_per_step: backward passes accumulated locally (summed, as in Horovod;
+            scale the loss to average) before the gradients are reduced.
+        op: ``Average`` (default) or ``Sum``.
+        gradient_predivide_factor: with Average, divide by this before the sum and by
+            ``size / factor`` after it.
+        groups: an int (split the parameters into that many groups) or a list of parameter
+            lists; each group is reduced as one atomic grouped allreduce once all its
+            gradients are ready.
+        sparse_as_dense: reduce sparse gradients as dense tensors (otherwise by allgather).
+        process_set: the ranks that train together.
+
+    Returns:
+        The distributed optimizer.
+
+    Raises:
+        TypeError, ValueError: a bad argument (named in the message).
+
+    Example:
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"DistributedOptimizer: expected a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}.")
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError("DistributedOptimizer: this optimizer is already distributed; wrap the "
+                         "original optimizer once.")
+    base = type(optimizer)
+    cls = _classes.get(base)
+    if cls is None:
+        cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": __name__,
+                                                                   "__qualname__": base.__qualname__})
+        _classes[base] = cls
+    wrapper = cls.__new__(cls)
+    # Share state, param_groups, defaults and hooks; drop instance-level method patches (an LR
+    # scheduler's step wrapper is bound to the original object).
+    wrapper.__dict__.update({k: v for k, v in optimizer.__dict__.items()
+                             if k not in ("step", "zero_grad")})
+    wrapper._hvddp_setup(named_parameters, compression, backward_passes_per_step, op,
+                         gradient_predivide_factor, groups, sparse_as_dense, process_set)
+    return wrapper

@@ -1,0 +1,109 @@
+"""Batch normalization with statistics over the whole global batch (every rank's shard)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from hvddp import ProcessSet, Sum, global_process_set
+
+from .mpi_ops import allreduce
+
+__all__ = ["SyncBatchNorm"]
+
+_counter = itertools.count()
+
+
+class SyncBatchNorm(_BatchNorm):
+    """``torch.nn.BatchNorm{1,2,3}d`` whose training statistics span every rank's batch.
+
+    In training mode the per-channel mean and variance are those of the concatenation of all
+    ranks' inputs (ranks may hold different batch sizes), so N ranks on B/N samples each give
+    the output, gradients and running statistics of ``BatchNorm`` on B samples in one process.
+    Two allreduces per forward (sum, then the sum of squared deviations) and two per backward,
+    named after the layer; every rank must run the layer the same number of times. In eval
+    mode, or with a size-1 ``process_set``, it is plain batch norm.
+
+    Args:
+        num_features, eps, momentum, affine, track_running_stats: as ``torch.nn.BatchNorm2d``.
+        process_set: the ranks whose batches are normalized together.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
+                 affine: bool = True, track_running_stats: bool = True,
+                 process_set: ProcessSet = global_process_set, device=None, dtype=None) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device,
+                         dtype=dtype)
+        self.process_set = process_set
+        self._hvddp_name = f"sync_batch_norm.{next(_counter)}"
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"SyncBatchNorm expects an input of at least 2 dimensions (N, C, ...), "
+                             f"got {input.dim()}D.")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        track = not self.training or self.track_running_stats
+        running_mean = self.running_mean if track else None
+        running_var = self.running_var if track else None
+        ps = self.process_set
+        if not bn_training or ps.size() == 1 or not ps.included():
+            return F.batch_norm(input, running_mean, running_var, self.weight, self.bias,
+                                bn_training, factor, self.eps)
+        return self._sync_forward(input, running_mean, running_var, factor)
+
+    def _sync_forward(self, x, running_mean, running_var, factor):
+        if x.dtype in (torch.float16, torch.bfloat16):  # statistics (and counts) in float32
+            return self._sync_forward(x.float(), running_mean, running_var, factor).to(x.dtype)
+        channels = x.shape[1]
+        dims = [0] + list(range(2, x.dim()))
+        shape = [1, channels] + [1] * (x.dim() - 2)
+        count = torch.tensor([x.numel() // channels], dtype=x.dtype)
+        totals = allreduce(torch.cat([x.sum(dims), count]), op=Sum, name=f"{self._hvddp_name}.sum",
+                           process_set=self.process_set)
+        n = totals[channels].detach()
+        mean = totals[:channels] / n
+        centered = x - mean.view(shape)
+        var = allreduce((centered * centered).sum(dims), op=Sum, name=f"{self._hvddp_name}.sqsum",
+                        process_set=self.process_set) / n
+        y = centered * torch.rsqrt(var + self.eps).view(shape)
+        if self.weight is not None:
+            y = y * self.weight.view(shape) + self.bias.view(shape)
+        if running_mean is not None:
+            with torch.no_grad():
+                total = float(n)
+                running_mean.mul_(1 - factor).add_(mean.detach(), alpha=factor)
+                unbiased = var.detach() * (total / max(total - 1, 1.0))
+                running_var.mul_(1 - factor).add_(unbiased, alpha=factor)
+        return y
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: torch.nn.Module,
+                               process_set: ProcessSet = global_process_set) -> torch.nn.Module:
+        """Return ``module`` with every ``BatchNorm*d`` replaced by a ``SyncBatchNorm`` (same state)."""
+        out = module
+        if isinstance(module, _BatchNorm) and not isinstance(module, cls):
+            out = cls(module.num_features, module.eps, module.momentum, module.affine,
+                      module.track_running_stats, process_set)
+            if module.affine:
+                with torch.no_grad():
+                    out.weight = module.weight
+                    out.bias = module.bias
+            out.running_mean = module.running_mean
+            out.running_var = module.running_var
+            out.num_batches_tracked = module.num_batches_tracked
+            out.training = module.training
+        for name, child in module.named_children():
+            out.add_module(name, cls.convert_sync_batchnorm(child, process_set))
+        return out

@@ -1,0 +1,171 @@
+"""Training throughput: one process vs hvddp at np=2 vs PyTorch DDP (gloo) at np=2, in one run.
+
+    python benchmarks/train_torch.py [--steps 20] [--warmup 5] [--repeats 2]
+
+The model is 20 x [Linear(1024, 1024) + LayerNorm + ReLU] + Linear(1024, 10) (21.0M parameters in
+82 tensors), batch 64 per rank, SGD with momentum, cross-entropy on random data. Every rank runs
+one compute thread and is pinned to its own core (``os.sched_setaffinity``, set before torch is
+imported so every thread of the rank, hvddp's engine and gloo's included, stays on that core).
+The driver runs the three configurations one after the other (``--repeats`` rounds, best round
+kept for each), then prints ms/step (the slowest rank's mean over the timed steps), global
+samples/s, the ratios, and where each rank's CPU time went: the training thread, and every other
+thread of the process (hvddp's engine, gloo's workers). With one core per rank the two add up:
+communication that runs on the same core is not hidden by overlap. The workers are this same
+file with ``--mode``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+HERE = os.path.abspath(__file__)
+ROOT = os.path.dirname(os.path.dirname(HERE))
+WIDTH, DEPTH, BATCH = 1024, 20, 64
+
+
+def _pin(index: int) -> int:
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[index % len(cores)]
+    os.sched_setaffinity(0, {core})
+    return core
+
+
+def _model():
+    import torch
+
+    layers = []
+    for _ in range(DEPTH):
+        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.LayerNorm(WIDTH), torch.nn.ReLU()]
+    layers.append(torch.nn.Linear(WIDTH, 10))
+    return torch.nn.Sequential(*layers)
+
+
+def _loop(model, optimizer, steps: int, warmup: int, sync) -> tuple:
+    """Train; return this rank's mean (wall, main-thread CPU, other threads' CPU) s per timed step."""
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(BATCH, WIDTH, generator=g)
+    y = torch.randint(0, 10, (BATCH,), generator=g)
+    for i in range(warmup + steps):
+        if i == warmup:
+            sync()
+            start, main, process = time.perf_counter(), time.thread_time(), time.process_time()
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    wall = time.perf_counter() - start
+    main = time.thread_time() - main
+    return wall / steps, main / steps, (time.process_time() - process - main) / steps
+
+
+def worker(mode: str, steps: int, warmup: int) -> None:
+    rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    core = _pin(rank)
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = _model()
+    if mode == "single":
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        seconds, main, other = _loop(model, optimizer, steps, warmup, lambda: None)
+        ranks = 1
+    elif mode == "hvddp":
+        import hvddp.torch as hvd
+
+        hvd.init()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        seconds, main, other = _loop(model, optimizer, steps, warmup, hvd.barrier)
+        seconds, main, other = hvd.allreduce(torch.tensor([seconds, main, other]), op=hvd.Max,
+                                             name="bench.seconds").tolist()
+        ranks = hvd.size()
+    elif mode == "ddp":
+        import torch.distributed as dist
+
+        size = int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
+        dist.init_process_group("gloo", rank=rank, world_size=size)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+        seconds, main, other = _loop(ddp, optimizer, steps, warmup, dist.barrier)
+        t = torch.tensor([seconds, main, other])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        seconds, main, other = t.tolist()
+        ranks = size
+        dist.destroy_process_group()
+    else:
+        raise ValueError(f"--mode must be single, hvddp or ddp, got {mode!r}.")
+    if rank == 0:
+        print("RESULT " + json.dumps({"mode": mode, "ranks": ranks, "ms_per_step": seconds * 1e3,
+                                      "main_cpu_ms": main * 1e3, "other_cpu_ms": other * 1e3,
+                                      "core": core}), flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(mode: str, args) -> dict:
+    py = sys.executable
+    mpiexec = os.path.join(os.path.dirname(py), "mpiexec")
+    worker_args = [HERE, "--mode", mode, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    if mode == "single":
+        cmd = [py] + worker_args
+    elif mode == "hvddp":
+        cmd = [mpiexec, "-n", str(args.np), py, "-m", "mpi4py"] + worker_args
+    else:
+        cmd = [mpiexec, "-n", str(args.np), py] + worker_args
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"{mode} run failed (exit {out.returncode}):\n{out.stdout}\n{out.stderr}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=["single", "hvddp", "ddp"], help="(worker) one configuration")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=2, help="rounds of the three runs; best kept")
+    parser.add_argument("--np", type=int, default=2)
+    args = parser.parse_args()
+    if args.mode:
+        worker(args.mode, args.steps, args.warmup)
+        return
+    best = {}
+    for _ in range(args.repeats):
+        for mode in ("single", "hvddp", "ddp"):
+            result = _run(mode, args)
+            if mode not in best or result["ms_per_step"] < best[mode]["ms_per_step"]:
+                best[mode] = result
+    single = best["single"]["ms_per_step"]
+    ddp = best["ddp"]["ms_per_step"]
+    print(f"model: {DEPTH} x [Linear({WIDTH},{WIDTH}) + LayerNorm + ReLU] + Linear({WIDTH},10), "
+          f"batch {BATCH}/rank, 1 thread/rank, pinned; {args.steps} timed steps, best of {args.repeats}")
+    print("| run | ranks | ms/step | samples/s | vs one process | vs DDP | CPU ms/step: training thread "
+          "+ other threads (slowest rank) |")
+    print("|---|---|---|---|---|---|---|")
+    for mode, label in (("single", "one process"), ("ddp", "torch DDP (gloo)"), ("hvddp", "hvddp")):
+        r = best[mode]
+        throughput = r["ranks"] * BATCH / (r["ms_per_step"] / 1e3)
+        vs_single = throughput / (BATCH / (single / 1e3))
+        vs_ddp = throughput / (best["ddp"]["ranks"] * BATCH / (ddp / 1e3))
+        print(f"| {label} | {r['ranks']} | {r['ms_per_step']:.1f} | {throughput:.0f} | "
+              f"{vs_single:.2f}x | {vs_ddp:.2f}x | {r['main_cpu_ms']:.1f} + {max(r['other_cpu_ms'], 0.0):.1f} |")
+
+
+if __name__ == "__main__":
+    main()

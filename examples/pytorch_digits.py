@@ -1,0 +1,140 @@
+"""Train a small CNN on scikit-learn's digits (8x8 images, shipped with scikit-learn) with hvddp.
+
+Each rank trains on its shard of every epoch (``DistributedSampler``); gradients are averaged by
+``hvd.DistributedOptimizer`` while backward runs; metrics are averaged with ``hvd.allreduce``.
+Rank 0 alone shows the progress bar, logs, and writes the checkpoint; ``--resume`` restarts from
+it (rank 0 loads, the others receive the state by broadcast).
+
+    mpiexec -n 2 python -m mpi4py examples/pytorch_digits.py
+    mpiexec -n 2 python -m mpi4py examples/pytorch_digits.py --checkpoint /tmp/digits.ckpt --resume
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+from tqdm import tqdm
+
+import hvddp.torch as hvd
+
+log = logging.getLogger("pytorch_digits")
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, 16, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(16, 32, 3, padding=1)
+        self.fc1 = torch.nn.Linear(32 * 4 * 4, 64)
+        self.fc2 = torch.nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.conv1(x))
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = F.relu(self.fc1(x.flatten(1)))
+        return self.fc2(x)
+
+
+def datasets():
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.25, random_state=0, stratify=y)
+    return (TensorDataset(torch.from_numpy(x_tr), torch.from_numpy(y_tr)),
+            TensorDataset(torch.from_numpy(x_te), torch.from_numpy(y_te)))
+
+
+def average(value: float, name: str) -> float:
+    """The mean of ``value`` over all ranks."""
+    return hvd.allreduce(torch.tensor(value, dtype=torch.float64), name=name).item()
+
+
+def evaluate(model, loader, sampler) -> tuple:
+    model.eval()
+    loss = correct = 0.0
+    with torch.no_grad():
+        for x, y in loader:
+            out = model(x)
+            loss += F.cross_entropy(out, y, reduction="sum").item()
+            correct += (out.argmax(1) == y).sum().item()
+    # every rank holds len(sampler) samples (the sampler pads), so the mean of means is exact
+    return (average(loss / len(sampler), "test.loss"), average(correct / len(sampler), "test.accuracy"))
+
+
+def main() -> float:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=12)
+    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
+    parser.add_argument("--lr", type=float, default=1e-3, help="per rank; scaled by the number of ranks")
+    parser.add_argument("--checkpoint", default=os.path.join("checkpoints", "pytorch_digits.ckpt"),
+                        help="where rank 0 saves the model and optimizer (default: %(default)s, gitignored)")
+    parser.add_argument("--resume", action="store_true", help="start from --checkpoint if it exists")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    hvd.init()
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    logging.basicConfig(level=logging.INFO if hvd.rank() == 0 else logging.WARNING,
+                        format=f"[rank {hvd.rank()}] %(message)s")
+
+    train_set, test_set = datasets()
+    train_sampler = DistributedSampler(train_set, num_replicas=hvd.size(), rank=hvd.rank(), seed=args.seed)
+    test_sampler = DistributedSampler(test_set, num_replicas=hvd.size(), rank=hvd.rank(), shuffle=False)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=train_sampler)
+    test_loader = DataLoader(test_set, batch_size=256, sampler=test_sampler)
+
+    model = Net()
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr * hvd.size())
+    start_epoch = 0
+    if args.resume and hvd.rank() == 0 and os.path.exists(args.checkpoint):
+        state = torch.load(args.checkpoint)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start_epoch = state["epoch"]
+        log.info("resumed from %s after epoch %d", args.checkpoint, start_epoch)
+    start_epoch = hvd.broadcast_object(start_epoch, root_rank=0, name="start_epoch")
+    # Every replica starts from rank 0's weights and optimizer state.
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+
+    begin = time.perf_counter()
+    accuracy = 0.0
+    for epoch in range(start_epoch, args.epochs):
+        model.train()
+        train_sampler.set_epoch(epoch)
+        total = 0.0
+        bar = tqdm(train_loader, desc=f"epoch {epoch + 1}/{args.epochs}", disable=hvd.rank() != 0,
+                   leave=False)
+        for x, y in bar:
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            total += loss.item()
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+        train_loss = average(total / len(train_loader), "train.loss")
+        test_loss, accuracy = evaluate(model, test_loader, test_sampler)
+        log.info("epoch %2d  train loss %.4f  test loss %.4f  test accuracy %.2f%%",
+                 epoch + 1, train_loss, test_loss, 100 * accuracy)
+        if hvd.rank() == 0:
+            os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint)), exist_ok=True)
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "epoch": epoch + 1}, args.checkpoint)
+    log.info("ranks %d  test accuracy %.2f%%  training time %.1f s  checkpoint %s", hvd.size(),
+             100 * accuracy, time.perf_counter() - begin, args.checkpoint)
+    return accuracy
+
+
+if __name__ == "__main__":
+    main()

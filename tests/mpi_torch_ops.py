@@ -1,0 +1,437 @@
+"""Rank-side tests of hvddp.torch's tensor collectives; run on every rank by tests/test_torch.py.
+
+Inputs depend on the rank, so every rank checks the exact result of each collective.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import hvddp.torch as hvd
+
+hvd.init()
+torch.set_num_threads(1)
+R, N = hvd.rank(), hvd.size()
+
+DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+          torch.bfloat16, torch.float32, torch.float64]
+FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def base(dtype, shape=(2, 3), rank=R):
+    """Small rank-dependent values that every dtype holds exactly (sums included)."""
+    n = int(np.prod(shape))
+    return (torch.arange(n, dtype=torch.int64).reshape(shape) % 7 + 3 * rank).to(dtype)
+
+
+def all_bases(dtype, shape=(2, 3)):
+    return [base(dtype, shape, r).to(torch.float64) for r in range(N)]
+
+
+def assert_equal(actual, expected):
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert torch.equal(actual, expected), f"\n{actual}\n!=\n{expected}"
+
+
+# allreduce -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", ["Sum", "Average", "Min", "Max"])
+def test_allreduce_dtypes(dtype, op):
+    x = base(dtype)
+    stack = torch.stack(all_bases(dtype))
+    expected = {"Sum": stack.sum(0), "Min": stack.min(0).values, "Max": stack.max(0).values,
+                "Average": stack.sum(0) / N}[op]
+    if op == "Average" and not dtype.is_floating_point:
+        expected = torch.trunc(expected)
+    out = hvd.allreduce(x, op=getattr(hvd, op), name=f"ar.{dtype}.{op}")
+    assert_equal(out, expected.to(dtype))
+    assert_equal(x, base(dtype))  # the input is left alone
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_allreduce_inplace_async_and_product(dtype):
+    x = base(dtype)
+    ptr = x.data_ptr()
+    handle = hvd.allreduce_async_(x, op=hvd.Sum, name=f"ar_.{dtype}")
+    out = hvd.synchronize(handle)
+    assert out is x and x.data_ptr() == ptr
+    assert_equal(x, torch.stack(all_bases(dtype)).sum(0).to(dtype))
+    y = (torch.arange(4) % 2 + 1).to(dtype)
+    assert_equal(hvd.allreduce(y, op=hvd.Product, name=f"prod.{dtype}"), (y.to(torch.float64) ** N).to(dtype))
+
+
+def test_allreduce_scale_factors_legacy_average_and_noncontiguous():
+    x = base(torch.float64, (3, 4)).t()  # non-contiguous
+    assert not x.is_contiguous()
+    total = torch.stack(all_bases(torch.float64, (3, 4))).sum(0).t()
+    out = hvd.allreduce(x, average=False, prescale_factor=2.0, postscale_factor=0.5, name="scaled")
+    assert_equal(out, total)
+    assert_equal(hvd.allreduce(x, average=True, name="legacy_avg"), total / N)
+    hvd.allreduce_(x, op=hvd.Sum, name="noncontig_inplace")
+    assert_equal(x, total)
+    with pytest.raises(ValueError, match="not both"):
+        hvd.allreduce(x, average=True, op=hvd.Sum)
+
+
+def test_allreduce_compression_fp16_bf16():
+    x = torch.tensor([1.0, 1.0 / 3.0, 1000.1]) * (R + 1)
+    exact = torch.tensor([1.0, 1.0 / 3.0, 1000.1]) * (N * (N + 1) / 2)
+    for comp, dtype in ((hvd.Compression.fp16, torch.float16), (hvd.Compression.bf16, torch.bfloat16)):
+        out = hvd.allreduce(x, op=hvd.Sum, compression=comp, name=f"comp.{dtype}")
+        assert out.dtype == torch.float32
+        # every rank sent a 16-bit value; the sum is rounded once to 16 bits
+        sent = sum(x.to(dtype).to(torch.float32) / (R + 1) * (r + 1) for r in range(N))
+        assert_equal(out, sent.to(dtype).to(torch.float32))
+        assert torch.allclose(out, exact, rtol=1e-2)
+    ints = torch.arange(3) + R
+    assert_equal(hvd.allreduce(ints, op=hvd.Sum, compression=hvd.Compression.fp16, name="comp.int"),
+                 torch.arange(3) * N + sum(range(N)))
+
+
+def test_grouped_allreduce_all_forms():
+    xs = [base(torch.float32, (2,)), base(torch.int32, (3, 2)), base(torch.bfloat16, (4,))]
+    expected = [torch.stack(all_bases(t.dtype, t.shape)).sum(0).to(t.dtype) for t in xs]
+    outs = hvd.grouped_allreduce(xs, op=hvd.Sum, name="g1")
+    for o, e in zip(outs, expected):
+        assert_equal(o, e)
+    outs = hvd.synchronize(hvd.grouped_allreduce_async(xs, op=hvd.Sum, name="g2"))
+    for o, e in zip(outs, expected):
+        assert_equal(o, e)
+    ys = [x.clone() for x in xs]
+    assert hvd.grouped_allreduce_(ys, op=hvd.Sum, name="g3")[1] is ys[1]
+    for o, e in zip(ys, expected):
+        assert_equal(o, e)
+    zs = [x.clone() for x in xs]
+    handle = hvd.grouped_allreduce_async_(zs, op=hvd.Sum, name="g4")
+    hvd.synchronize(handle)
+    for o, e in zip(zs, expected):
+        assert_equal(o, e)
+
+
+def test_poll_and_async():
+    x = torch.ones(1000) * R
+    handle = hvd.allreduce_async(x, op=hvd.Sum, name="poll")
+    assert isinstance(hvd.poll(handle), bool)
+    out = hvd.synchronize(handle)
+    assert hvd.poll(handle)
+    assert_equal(out, torch.ones(1000) * sum(range(N)))
+
+
+# allgather, broadcast, alltoall, reducescatter --------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES + [torch.bool], ids=str)
+def test_allgather_uneven_dtypes(dtype):
+    x = torch.full((R + 1, 2), R % 2 if dtype == torch.bool else R + 1).to(dtype)
+    out = hvd.allgather(x, name=f"ag.{dtype}")
+    expected = torch.cat([torch.full((r + 1, 2), r % 2 if dtype == torch.bool else r + 1).to(dtype)
+                          for r in range(N)])
+    assert_equal(out, expected)
+    out = hvd.synchronize(hvd.allgather_async(x, name=f"ag_async.{dtype}"))
+    assert_equal(out, expected)
+
+
+def test_grouped_allgather():
+    xs = [torch.full((R + 1,), R, dtype=torch.int64), torch.full((1, 3), R + 0.5, dtype=torch.float64)]
+    outs = hvd.grouped_allgather(xs, name="gag")
+    assert_equal(outs[0], torch.cat([torch.full((r + 1,), r) for r in range(N)]))
+    assert_equal(outs[1], torch.cat([torch.full((1, 3), r + 0.5, dtype=torch.float64) for r in range(N)]))
+    outs = hvd.synchronize(hvd.grouped_allgather_async(xs, name="gag_async"))
+    assert_equal(outs[0], torch.cat([torch.full((r + 1,), r) for r in range(N)]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_broadcast_dtypes(dtype):
+    root = N - 1
+    x = base(dtype)
+    assert_equal(hvd.broadcast(x, root, name=f"bc.{dtype}"), base(dtype, rank=root))
+    assert_equal(x, base(dtype))
+    y = base(dtype)
+    assert hvd.broadcast_(y, root, name=f"bc_.{dtype}") is y
+    assert_equal(y, base(dtype, rank=root))
+    z = base(dtype)
+    hvd.synchronize(hvd.broadcast_async_(z, 0, name=f"bc_async_.{dtype}"))
+    assert_equal(z, base(dtype, rank=0))
+    assert_equal(hvd.synchronize(hvd.broadcast_async(x, 0, name=f"bc_async.{dtype}")), base(dtype, rank=0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_alltoall_dtypes(dtype):
+    # rank r sends (d + 1) rows to rank d, each row holding 10 * r + d
+    splits = [d + 1 for d in range(N)]
+    x = torch.cat([torch.full((d + 1, 2), 10 * R + d) for d in range(N)]).to(dtype)
+    out, received = hvd.alltoall(x, splits=splits, name=f"a2a.{dtype}")
+    assert_equal(out, torch.cat([torch.full((R + 1, 2), 10 * r + R) for r in range(N)]).to(dtype))
+    assert received.tolist() == [R + 1] * N
+    even = torch.arange(N, dtype=torch.int64).to(dtype) + R
+    assert_equal(hvd.alltoall(even, name=f"a2a_even.{dtype}"), (torch.arange(N) + R).to(dtype))
+    out, received = hvd.synchronize(hvd.alltoall_async(x, torch.tensor(splits), name=f"a2a_async.{dtype}"))
+    assert received.tolist() == [R + 1] * N
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_reducescatter_dtypes(dtype):
+    rows = 2 * N + 1  # uneven: the first rank gets one more row
+    x = base(dtype, (rows, 2))
+    total = torch.stack(all_bases(dtype, (rows, 2))).sum(0)
+    counts = [rows // N + (1 if r < rows % N else 0) for r in range(N)]
+    start = sum(counts[:R])
+    out = hvd.reducescatter(x, op=hvd.Sum, name=f"rs.{dtype}")
+    assert_equal(out, total[start:start + counts[R]].to(dtype))
+    if dtype.is_floating_point:
+        out = hvd.synchronize(hvd.reducescatter_async(x, name=f"rs_avg.{dtype}"))
+        assert_equal(out, (total[start:start + counts[R]] / N).to(dtype))
+    outs = hvd.grouped_reducescatter([x, x], op=hvd.Sum, name=f"grs.{dtype}")
+    assert_equal(outs[1], total[start:start + counts[R]].to(dtype))
+
+
+def test_sparse_allreduce():
+    dense = torch.zeros(5, 3)
+    dense[R % 5] = R + 1.0
+    dense[4] = 1.0
+    handle = hvd.sparse_allreduce_async(dense.to_sparse(), name="sparse", op=hvd.Average)
+    out = hvd.synchronize(handle)
+    assert out.is_sparse
+    expected = torch.zeros(5, 3)
+    for r in range(N):
+        expected[r % 5] += (r + 1.0) / N
+    expected[4] += 1.0
+    assert torch.allclose(out.to_dense(), expected)
+
+
+def test_objects_barrier_join():
+    assert hvd.broadcast_object({"r": R, "t": torch.arange(3) + R}, root_rank=N - 1)["r"] == N - 1
+    gathered = hvd.allgather_object(("rank", R))
+    assert gathered == [("rank", r) for r in range(N)]
+    hvd.barrier()
+    # Uneven data: rank r has r + 1 batches; joined ranks contribute zeros.
+    for step in range(R + 1):
+        out = hvd.allreduce(torch.ones(2), op=hvd.Sum, name=f"join.{step}")
+        assert_equal(out, torch.ones(2) * sum(1 for r in range(N) if r >= step))
+    assert hvd.join() == N - 1
+
+
+def test_process_set():
+    if N < 3:
+        pytest.skip("needs 3 ranks")
+    ps = hvd.add_process_set([0, 2])
+    try:
+        if ps.included():
+            out = hvd.allreduce(torch.tensor([float(R)]), op=hvd.Sum, process_set=ps, name="ps")
+            assert_equal(out, torch.tensor([2.0]))
+    finally:
+        hvd.remove_process_set(ps)
+
+
+# autograd --------------------------------------------------------------------------------------
+def test_allreduce_grad():
+    for op, factor in ((hvd.Sum, N), (hvd.Average, 1.0)):
+        x = torch.arange(4.0, requires_grad=True)
+        y = hvd.allreduce(x * (R + 1), op=op, name=f"grad.ar.{op}")
+        (y * (R + 1)).sum().backward()
+        # d/dx_r sum_k (k+1) * y_k = (r+1) * op-backward of (k+1)
+        upstream = sum(k + 1 for k in range(N)) / (1 if op == hvd.Sum else N)
+        assert_equal(x.grad, torch.full((4,), (R + 1) * upstream))
+    x = torch.ones(3, requires_grad=True)
+    y = hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=3.0, name="grad.scaled")
+    y.sum().backward()
+    assert_equal(x.grad, torch.full((3,), 6.0 * N))
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        hvd.allreduce(torch.ones(2, requires_grad=True), op=hvd.Max, name="grad.max").sum().backward()
+
+
+def test_grouped_allreduce_grad():
+    a = torch.ones(2, requires_grad=True)
+    b = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    ya, yb = hvd.grouped_allreduce([a, b], op=hvd.Sum, name="grad.gar")
+    (ya.sum() * (R + 1) + yb.sum() * 2).backward()
+    assert_equal(a.grad, torch.full((2,), float(sum(r + 1 for r in range(N)))))
+    assert_equal(b.grad, torch.full((3,), 2.0 * N, dtype=torch.float64))
+
+
+def test_allgather_grad():
+    x = torch.ones(R + 1, 2, requires_grad=True)
+    y = hvd.allgather(x, name="grad.ag")
+    rows = torch.cat([torch.full((r + 1, 2), float(r)) for r in range(N)])
+    (y * rows * (R + 1)).sum().backward()
+    # Horovod: Average-allreduce of the upstream gradient, sliced to this rank's rows
+    mean_factor = sum(r + 1 for r in range(N)) / N
+    assert_equal(x.grad, torch.full((R + 1, 2), R * mean_factor))
+    a, b = torch.ones(R + 1, requires_grad=True), torch.ones(1, requires_grad=True)
+    ya, yb = hvd.grouped_allgather([a, b], name="grad.gag")
+    (ya.sum() + 2 * yb.sum()).backward()
+    assert_equal(a.grad, torch.ones(R + 1))
+    assert_equal(b.grad, torch.full((1,), 2.0))
+
+
+def test_broadcast_grad():
+    root = N - 1
+    x = torch.ones(3, requires_grad=True)
+    y = hvd.broadcast(x * (R + 1), root, name="grad.bc")
+    assert_equal(y.detach(), torch.full((3,), float(root + 1)))
+    (y * (R + 1)).sum().backward()
+    mean_up = sum(r + 1 for r in range(N)) / N
+    expected = (root + 1) * mean_up if R == root else 0.0
+    assert_equal(x.grad, torch.full((3,), float(expected)))
+
+
+def test_alltoall_grad():
+    splits = [d + 1 for d in range(N)]
+    x = torch.ones(sum(splits), requires_grad=True)
+    out, received = hvd.alltoall(x, splits=splits, name="grad.a2a")
+    # upstream: the rows received from rank r are weighted by 10 * R + r
+    weights = torch.cat([torch.full((R + 1,), 10.0 * R + r) for r in range(N)])
+    (out * weights).sum().backward()
+    assert_equal(x.grad, torch.cat([torch.full((d + 1,), 10.0 * d + R) for d in range(N)]))
+
+
+def test_reducescatter_grad():
+    rows = 2 * N
+    for op, div in ((hvd.Sum, 1), (hvd.Average, N)):
+        x = torch.ones(rows, requires_grad=True)
+        y = hvd.reducescatter(x, op=op, name=f"grad.rs.{op}")
+        (y * (R + 1)).sum().backward()
+        expected = torch.cat([torch.full((2,), (r + 1.0) / div) for r in range(N)])
+        assert_equal(x.grad, expected)
+    a = torch.ones(rows, requires_grad=True)
+    (ya,) = hvd.grouped_reducescatter([a], op=hvd.Sum, name="grad.grs")
+    (ya * (R + 1)).sum().backward()
+    assert_equal(a.grad, torch.cat([torch.full((2,), r + 1.0) for r in range(N)]))
+
+
+# SyncBatchNorm ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("affine", [True, False])
+def test_sync_batch_norm_matches_batch_norm(affine):
+    torch.manual_seed(0)
+    per_rank = [2 + r for r in range(N)]  # uneven batches
+    full = torch.randn(sum(per_rank), 3, 4, 5, dtype=torch.float64) * 3 + 1
+    upstream = torch.randn_like(full)
+    start = sum(per_rank[:R])
+    mine = slice(start, start + per_rank[R])
+    ref = torch.nn.BatchNorm2d(3, affine=affine).double()
+    sync = hvd.SyncBatchNorm(3, affine=affine).double()
+    if affine:
+        with torch.no_grad():
+            for m in (ref, sync):
+                m.weight.copy_(torch.linspace(0.5, 1.5, 3))
+                m.bias.copy_(torch.linspace(-1, 1, 3))
+    for _ in range(2):
+        x_ref = full.clone().requires_grad_()
+        y_ref = ref(x_ref)
+        (y_ref * upstream).sum().backward()
+        x = full[mine].clone().requires_grad_()
+        y = sync(x)
+        (y * upstream[mine]).sum().backward()
+        torch.testing.assert_close(y, y_ref[mine], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(x.grad, x_ref.grad[mine], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(sync.running_mean, ref.running_mean, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(sync.running_var, ref.running_var, rtol=1e-12, atol=1e-12)
+    assert int(sync.num_batches_tracked) == 2
+    if affine:
+        # the parameter gradient is this rank's share; summed over ranks it is the full one
+        total_w = hvd.allreduce(sync.weight.grad, op=hvd.Sum, name=f"bn.wgrad.{affine}")
+        torch.testing.assert_close(total_w, ref.weight.grad, rtol=1e-10, atol=1e-10)
+    sync.eval()
+    ref.eval()
+    torch.testing.assert_close(sync(full[mine]), ref(full[mine]), rtol=1e-10, atol=1e-10)
+
+
+def test_sync_batch_norm_half_input_uses_float32_statistics():
+    torch.manual_seed(1)
+    full = torch.randn(4 * N, 3, 5) * 2 + 1
+    ref = torch.nn.BatchNorm1d(3)(full.bfloat16().float())
+    sync = hvd.SyncBatchNorm(3)
+    out = sync(full[4 * R:4 * R + 4].bfloat16())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref[4 * R:4 * R + 4], rtol=2e-2, atol=2e-2)
+
+
+# broadcast_parameters / broadcast_optimizer_state ----------------------------------------------
+def test_broadcast_parameters_state_dict_and_named():
+    torch.manual_seed(R)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    model[1].running_mean.fill_(R)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    for (k, v), (_, e) in zip(model.state_dict().items(), ref.state_dict().items()):
+        if k != "1.running_mean":
+            assert_equal(v, e)
+    assert_equal(model[1].running_mean, torch.zeros(4))
+    other = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        other.weight.fill_(R)
+    hvd.broadcast_parameters(other.named_parameters(), root_rank=N - 1)
+    assert_equal(other.weight.detach(), torch.full((2, 2), float(N - 1)))
+    plain = [torch.full((2,), float(R))]
+    hvd.broadcast_parameters(plain, root_rank=1)
+    assert_equal(plain[0], torch.full((2,), 1.0))
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_broadcast_optimizer_state(kind):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    make = (lambda p: torch.optim.SGD(p, lr=0.1 * (R + 1), momentum=0.9)) if kind == "sgd" else \
+        (lambda p: torch.optim.Adam(p, lr=0.01 * (R + 1), betas=(0.9, 0.99 - 0.001 * R)))
+    opt = make(model.parameters())
+    if R == 0:  # only the root has state (e.g. it loaded a checkpoint)
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 if kind == "sgd" else 0.01)
+    if kind == "adam":
+        assert opt.param_groups[0]["betas"] == (0.9, 0.99)
+    state = opt.state_dict()["state"]
+    assert sorted(state) == [0, 1]
+    flat = torch.cat([v.reshape(-1).double() for s in state.values() for v in s.values()
+                      if isinstance(v, torch.Tensor)])
+    root = hvd.broadcast(flat, 0, name=f"bos.check.{kind}")
+    assert_equal(flat, root)
+    # empty state everywhere: only the hyper-parameters move
+    fresh = make(torch.nn.Linear(3, 2).parameters())
+    hvd.broadcast_optimizer_state(fresh, root_rank=N - 1)
+    assert fresh.param_groups[0]["lr"] == pytest.approx((0.1 if kind == "sgd" else 0.01) * N)
+    assert fresh.state_dict()["state"] == {}
+
+
+# errors ----------------------------------------------------------------------------------------
+def test_mismatched_shape_raises_on_every_rank():
+    x = torch.ones(2 + (R == 0))
+    with pytest.raises(RuntimeError, match="shape differs"):
+        hvd.allreduce(x, name="mismatch.shape")
+    with pytest.raises(RuntimeError, match="dtype differs"):
+        hvd.allreduce(torch.ones(2, dtype=torch.float32 if R == 0 else torch.float64), name="mismatch.dtype")
+    with pytest.raises(RuntimeError, match="op differs"):
+        hvd.allreduce(torch.ones(2), op=hvd.Sum if R == 0 else hvd.Max, name="mismatch.op")
+    with pytest.raises(RuntimeError):
+        hvd.broadcast(torch.ones(2), root_rank=R, name="mismatch.root")
+    # the engine goes on afterwards
+    assert_equal(hvd.allreduce(torch.ones(1), op=hvd.Sum, name="after.mismatch"), torch.full((1,), float(N)))
+
+
+def test_duplicate_pending_name_is_value_error():
+    import time
+
+    for tester in range(N):  # the others submit late, so the tester's first op is still pending
+        if R != tester:
+            time.sleep(0.3)
+        handle = hvd.allreduce_async(torch.ones(2), name=f"dup.{tester}")
+        if R == tester:
+            with pytest.raises(ValueError, match="already pending"):
+                hvd.allreduce_async(torch.ones(2), name=f"dup.{tester}")
+        hvd.synchronize(handle)
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        hvd.allreduce([1.0, 2.0])
+    with pytest.raises(TypeError, match="complex64"):
+        hvd.allreduce(torch.ones(2, dtype=torch.complex64))
+    with pytest.raises(TypeError, match="sparse"):
+        hvd.allreduce(torch.ones(2).to_sparse())
+    with pytest.raises(ValueError, match="Adasum"):
+        hvd.allreduce(torch.ones(2), op=hvd.Adasum)
+    with pytest.raises(TypeError, match="list or tuple"):
+        hvd.grouped_allreduce(torch.ones(2))
+    with pytest.raises(ValueError):
+        hvd.broadcast(torch.ones(2), root_rank=N)

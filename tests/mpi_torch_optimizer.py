@@ -1,0 +1,416 @@
+"""Rank-side tests of hvddp.torch.DistributedOptimizer; run on every rank by tests/test_torch.py.
+
+Parity: N ranks, each on its B/N rows, must match one process on all B rows (that reference
+is trained on every rank alongside, without collectives), and all replicas must end
+bit-identical.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hvddp.torch as hvd
+
+hvd.init()
+torch.set_num_threads(1)
+R, N = hvd.rank(), hvd.size()
+B = 12  # global batch: divides by 1, 2, 3 and 4
+STEPS = 5
+
+
+class Net(torch.nn.Module):
+    def __init__(self, extra: bool = False) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 8)
+        self.fc2 = torch.nn.Linear(8, 3)
+        if extra:
+            self.unused = torch.nn.Linear(8, 3)  # never used on any rank
+            self.branch = torch.nn.Linear(8, 3)  # used by the first shard only
+
+    def forward(self, x, use_branch: bool = False):
+        h = torch.tanh(self.fc1(x))
+        y = self.fc2(h)
+        if use_branch:
+            y = y + self.branch(h)
+        return y
+
+
+def batch(step: int, micro: int = 0):
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randn(B, 6, generator=g), torch.randn(B, 3, generator=g)
+
+
+def shard(t: torch.Tensor, s: int = R) -> torch.Tensor:
+    return t[s * B // N:(s + 1) * B // N]
+
+
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "adam": lambda params: torch.optim.Adam(params, lr=0.01),
+}
+
+
+def flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def assert_replicas_identical(model: torch.nn.Module, name: str) -> None:
+    mine = flat(model)
+    every = hvd.allgather(mine[None], name=f"replicas.{name}")
+    for r in range(N):
+        assert torch.equal(every[r], mine), f"rank {r}'s parameters differ from rank {R}'s"
+
+
+def assert_parity(model, ref, rtol=1e-5, atol=1e-6):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def shard_loss(model, x, y, s):
+    return F.mse_loss(model(shard(x, s), use_branch=getattr(model, "branch", None) is not None and s == 0),
+                      shard(y, s))
+
+
+def train_pair(kind, extra=False, bpps=1, **kwargs):
+    torch.manual_seed(0)
+    ref = Net(extra)
+    model = copy.deepcopy(ref)
+    ref_opt = OPTIMIZERS[kind](ref.parameters())
+    opt = hvd.DistributedOptimizer(OPTIMIZERS[kind](model.parameters()),
+                                   named_parameters=model.named_parameters(),
+                                   backward_passes_per_step=bpps, **kwargs)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    for step in range(STEPS):
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        for micro in range(bpps):
+            x, y = batch(step, micro)
+            # one process on all B rows: the mean of the shard losses is the batch's mean loss
+            sum(shard_loss(ref, x, y, s) for s in range(N)).div(N).backward()
+            shard_loss(model, x, y, R).backward()
+        ref_opt.step()
+        opt.step()
+    return model, ref
+
+
+# parity ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_parity_with_one_process(kind):
+    model, ref = train_pair(kind)
+    assert_parity(model, ref)
+    assert not torch.equal(flat(model), flat(Net()))  # it trained
+    assert_replicas_identical(model, f"parity.{kind}")
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_parity_backward_passes_per_step_2(kind):
+    # two local backward passes are summed (as in Horovod), then reduced once
+    model, ref = train_pair(kind, bpps=2)
+    assert_parity(model, ref)
+    assert_replicas_identical(model, f"bpps.{kind}")
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_parity_unused_and_rank_dependent_parameters(kind):
+    model, ref = train_pair(kind, extra=True)
+    assert_parity(model, ref)
+    assert torch.equal(model.unused.weight, ref.unused.weight)
+    assert not torch.equal(model.branch.weight, Net(extra=True).branch.weight) or N == 1
+    assert_replicas_identical(model, f"unused.{kind}")
+
+
+@pytest.mark.parametrize("groups", [2, "explicit"])
+def test_parity_groups(groups):
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    # explicit: two groups; fc2.bias is left out and reduced on its own
+    grouping = groups if groups != "explicit" else [[model.fc1.weight, model.fc2.weight], [model.fc1.bias]]
+    ref_opt = OPTIMIZERS["sgd"](ref.parameters())
+    opt = hvd.DistributedOptimizer(OPTIMIZERS["sgd"](model.parameters()),
+                                   named_parameters=model.named_parameters(), groups=grouping)
+    for step in range(STEPS):
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        x, y = batch(step)
+        sum(shard_loss(ref, x, y, s) for s in range(N)).div(N).backward()
+        shard_loss(model, x, y, R).backward()
+        ref_opt.step()
+        opt.step()
+    assert_parity(model, ref)
+    assert_replicas_identical(model, f"groups.{groups}")
+
+
+@pytest.mark.parametrize("name,dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_parity_compression(name, dtype):
+    """The reference rounds each shard's gradient to 16 bits, averages in float32 and rounds the
+    average to 16 bits once, which is what the compressor and the core do."""
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    ref_opt = OPTIMIZERS["sgd"](ref.parameters())
+    opt = hvd.DistributedOptimizer(OPTIMIZERS["sgd"](model.parameters()),
+                                   named_parameters=model.named_parameters(),
+                                   compression=getattr(hvd.Compression, name))
+    exact = copy.deepcopy(ref)
+    exact_opt = OPTIMIZERS["sgd"](exact.parameters())
+    for step in range(STEPS):
+        x, y = batch(step)
+        grads = []
+        for s in range(N):
+            ref_opt.zero_grad()
+            shard_loss(ref, x, y, s).backward()
+            grads.append([p.grad.to(dtype).float() for p in ref.parameters()])
+        inv = torch.tensor(1.0 / N, dtype=torch.float32)
+        for i, p in enumerate(ref.parameters()):
+            p.grad = (sum(g[i] for g in grads) * inv).to(dtype).float()
+        ref_opt.step()
+        exact_opt.zero_grad()
+        sum(shard_loss(exact, x, y, s) for s in range(N)).div(N).backward()
+        exact_opt.step()
+        opt.zero_grad()
+        shard_loss(model, x, y, R).backward()
+        opt.step()
+    assert_parity(model, ref, rtol=1e-4, atol=1e-6)
+    assert_parity(model, exact, rtol=5e-2, atol=5e-3)
+    assert_replicas_identical(model, f"compression.{name}")
+
+
+def test_sparse_gradients_both_ways():
+    for as_dense in (False, True):
+        torch.manual_seed(0)
+        ref = torch.nn.Embedding(10, 4, sparse=True)
+        model = copy.deepcopy(ref)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                       named_parameters=model.named_parameters(),
+                                       sparse_as_dense=as_dense)
+        idx = torch.arange(B) % 10
+        for step in range(3):
+            ref_opt.zero_grad()
+            opt.zero_grad()
+            sum(ref(shard(idx, s)).pow(2).sum() for s in range(N)).div(N).backward()
+            model(shard(idx)).pow(2).sum().backward()
+            ref_opt.step()
+            opt.step()
+        assert_parity(model, ref)
+        assert_replicas_identical(model, f"sparse.{as_dense}")
+
+
+# behaviour -------------------------------------------------------------------------------------
+def test_wrapper_keeps_class_state_and_round_trips_state_dict():
+    model = Net()
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    assert isinstance(opt, torch.optim.SGD)
+    assert opt.state is base.state and opt.param_groups is base.param_groups
+    x, y = batch(0)
+    F.mse_loss(model(shard(x)), shard(y)).backward()
+    opt.step()
+    saved = opt.state_dict()
+    assert len(saved["state"]) == 4
+    plain = torch.optim.SGD(Net().parameters(), lr=0.5)
+    plain.load_state_dict(saved)
+    assert plain.param_groups[0]["lr"] == 0.1
+    other = Net()
+    opt2 = hvd.DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.3),
+                                    named_parameters=other.named_parameters())
+    opt2.load_state_dict(saved)
+    assert torch.equal(opt2.state[other.fc1.weight]["momentum_buffer"],
+                       opt.state[model.fc1.weight]["momentum_buffer"])
+    opt.zero_grad()
+    opt2.zero_grad()
+    with pytest.raises(ValueError, match="already distributed"):
+        hvd.DistributedOptimizer(opt)
+
+
+def test_subclass_with_zero_argument_super():
+    model = Net()
+    cls = type(hvd.DistributedOptimizer(torch.optim.SGD(Net().parameters(), lr=0.1)))
+
+    class Counting(cls):
+        calls = 0
+
+        def step(self, closure=None):
+            Counting.calls += 1
+            return super().step(closure)
+
+    opt = Counting(model.parameters(), lr=0.1, named_parameters=model.named_parameters())
+    assert isinstance(opt, torch.optim.SGD)
+    x, y = batch(0)
+    F.mse_loss(model(shard(x)), shard(y)).backward()
+    opt.synchronize()
+    grad = model.fc1.weight.grad.clone()
+    assert torch.equal(hvd.broadcast(grad, 0, name="subclass.grad"), grad)  # averaged everywhere
+    with opt.skip_synchronize():
+        opt.step()
+    assert Counting.calls == 1
+
+
+def test_synchronize_clip_skip_synchronize_and_no_double_reduction():
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), op=hvd.Sum)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x, y = batch(0)
+    sum(shard_loss(ref, x, y, s) for s in range(N)).backward()  # Sum: no division by N
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    ref_opt.step()
+    shard_loss(model, x, y, R).backward()
+    opt.synchronize()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    with opt.skip_synchronize():
+        opt.step()
+    assert_parity(model, ref)
+    # step() right after synchronize() must not reduce (sum) the gradients a second time
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    x, y = batch(1)
+    sum(shard_loss(ref, x, y, s) for s in range(N)).backward()
+    ref_opt.step()
+    shard_loss(model, x, y, R).backward()
+    opt.synchronize()
+    opt.step()
+    assert_parity(model, ref)
+
+
+def test_step_with_closure_averages_its_gradients():
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x, y = batch(0)
+
+    def closure():
+        opt.zero_grad()
+        loss = shard_loss(model, x, y, R)
+        loss.backward()
+        return loss
+
+    def ref_closure():
+        ref_opt.zero_grad()
+        loss = sum(shard_loss(ref, x, y, s) for s in range(N)) / N
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    ref_opt.step(ref_closure)
+    assert_parity(model, ref)
+
+
+def test_predivide_factor_and_sum():
+    for kwargs, scale in (({"gradient_predivide_factor": 2.0}, 1.0 / N), ({"op": hvd.Sum}, 1.0)):
+        model = Net()
+        hvd.broadcast_parameters(model.state_dict(), 0)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), **kwargs)
+        x, y = batch(0)
+        # this rank's own gradient, from a copy without hooks (p.grad is reduced in place as
+        # soon as backward produces it, so it must not be read before synchronize())
+        twin = copy.deepcopy(model)
+        (mine,) = torch.autograd.grad(F.mse_loss(twin(shard(x)), shard(y)), [twin.fc2.bias])
+        F.mse_loss(model(shard(x)), shard(y)).backward()
+        opt.synchronize()
+        total = hvd.allreduce(mine, op=hvd.Sum, name=f"predivide.check.{sorted(kwargs)}")
+        torch.testing.assert_close(model.fc2.bias.grad, total * scale, rtol=1e-6, atol=1e-7)
+        opt.zero_grad()
+
+
+def test_zero_grad_refused_while_pending_and_set_to_none():
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    x, y = batch(0)
+    F.mse_loss(model(shard(x)), shard(y)).backward()
+    with pytest.raises(RuntimeError, match="zero_grad"):
+        opt.zero_grad()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    assert torch.equal(model.fc1.weight.grad, torch.zeros_like(model.fc1.weight))
+    opt.zero_grad()
+    assert model.fc1.weight.grad is None
+
+
+def test_too_many_backward_passes_is_an_error():
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), backward_passes_per_step=2)
+    x, y = batch(0)
+    for _ in range(2):
+        F.mse_loss(model(shard(x)), shard(y)).backward()
+    with pytest.raises(RuntimeError, match="more than backward_passes_per_step=2"):
+        F.mse_loss(model(shard(x)), shard(y)).backward()
+    opt.synchronize()
+    opt.zero_grad()
+
+
+def test_mismatched_models_fail_on_every_rank():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2 + (R == 0))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="shape differs"):
+        opt.step()
+    opt.zero_grad()
+    # the optimizer is usable again
+    model2 = torch.nn.Linear(4, 2)
+    opt2 = hvd.DistributedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.1),
+                                    named_parameters=model2.named_parameters())
+    model2(torch.ones(1, 4) * R).sum().backward()
+    opt2.step()
+
+
+def test_bad_arguments():
+    model = Net()
+    sgd = lambda: torch.optim.SGD(model.parameters(), lr=0.1)  # noqa: E731
+    with pytest.raises(ValueError, match="`backward_passes_per_step` must be >= 1, got 0"):
+        hvd.DistributedOptimizer(sgd(), backward_passes_per_step=0)
+    with pytest.raises(ValueError, match="duplicate names"):
+        hvd.DistributedOptimizer(sgd(), named_parameters=[("w", model.fc1.weight), ("w", model.fc1.bias)])
+    with pytest.raises(ValueError, match="not in it"):
+        hvd.DistributedOptimizer(sgd(), named_parameters=[("w", model.fc1.weight)])
+    with pytest.raises(ValueError, match="Adasum"):
+        hvd.DistributedOptimizer(sgd(), op=hvd.Adasum)
+    with pytest.raises(ValueError, match="only to op=Average"):
+        hvd.DistributedOptimizer(sgd(), op=hvd.Sum, gradient_predivide_factor=2.0)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        hvd.DistributedOptimizer(model)
+    with pytest.raises(ValueError, match="more than one group"):
+        hvd.DistributedOptimizer(sgd(), groups=[[model.fc1.weight], [model.fc1.weight]])
+
+
+def test_replaced_optimizer_stops_reducing():
+    model = Net()
+    first = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters())
+    x, y = batch(0)
+    F.mse_loss(model(shard(x)), shard(y)).backward()
+    first.step()
+    first.zero_grad()
+    # a new optimizer over the same model (e.g. another schedule); the old one is dropped
+    first = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters())
+    for _ in range(2):  # the old hooks would raise "more than backward_passes_per_step" here
+        F.mse_loss(model(shard(x)), shard(y)).backward()
+        first.step()
+        first.zero_grad()
+
+
+def test_step_hooks_run_once_also_after_load_state_dict():
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+    opt.load_state_dict(opt.state_dict())
+    x, y = batch(0)
+    F.mse_loss(model(shard(x)), shard(y)).backward()
+    opt.step()
+    assert calls == ["pre"]

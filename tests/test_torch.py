@@ -1,0 +1,86 @@
+"""hvddp.torch: collectives, autograd, DistributedOptimizer parity, Horovod-style script, example.
+
+Multi-rank tests run the rank-side modules ``tests/mpi_torch_*.py`` under real ``mpiexec`` at 2
+and 3 ranks. Single-process tests run in a subprocess so that this pytest process imports
+neither torch nor MPI.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from mpirun import ROOT, run, run_pytest
+
+pytest.importorskip("torch")
+
+
+def _python(args, timeout=180):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for var in ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable] + list(args), cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_collectives_dtypes_autograd_errors(np_):
+    run_pytest(np_, "tests/mpi_torch_ops.py")
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_distributed_optimizer_parity_and_behaviour(np_):
+    run_pytest(np_, "tests/mpi_torch_optimizer.py")
+
+
+def test_size_one_without_launcher():
+    _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "tests/mpi_torch_single.py"])
+
+
+def test_import_hvddp_does_not_import_torch():
+    code = ("import sys, hvddp; assert 'torch' not in sys.modules, 'hvddp imported torch'; "
+            "import hvddp.torch as hvd; assert 'torch' in sys.modules; "
+            "assert hvd.allreduce.__module__ == 'hvddp.torch.mpi_ops'; "
+            "missing = [n for n in hvd.__all__ if not hasattr(hvd, n)]; assert not missing, missing")
+    _python(["-c", code])
+
+
+def _accuracies(output: str):
+    return [float(a) for a in re.findall(r"Accuracy: ([0-9.]+)%", output)]
+
+
+def test_horovod_style_script_runs_with_only_the_import_changed():
+    with open(os.path.join(ROOT, "tests", "horovod_style_torch.py")) as f:
+        source = f.read()
+    code = source.split('"""', 2)[2]  # after the module docstring
+    assert [line for line in code.splitlines() if "hvddp" in line] == ["import hvddp.torch as hvd"]
+    result = run(2, ["tests/horovod_style_torch.py"], timeout=180)
+    accuracies = _accuracies(result.stdout)
+    assert len(accuracies) == 8, result.stdout  # rank 0 alone prints, once per epoch
+    assert accuracies[-1] >= 90.0, result.stdout
+
+
+def test_example_pytorch_digits(tmp_path):
+    checkpoint = tmp_path / "digits.ckpt"
+    result = run(2, ["examples/pytorch_digits.py", "--checkpoint", str(checkpoint)], timeout=180)
+    final = re.findall(r"ranks 2 +test accuracy ([0-9.]+)%", result.stdout)
+    assert final and float(final[-1]) >= 95.0, result.stdout
+    assert checkpoint.exists()
+    assert "[rank 1] epoch" not in result.stdout  # logging on rank 0 only
+    resumed = run(2, ["examples/pytorch_digits.py", "--checkpoint", str(checkpoint), "--resume",
+                      "--epochs", "13"], timeout=180)
+    assert "resumed from" in resumed.stdout and "epoch 13 " in resumed.stdout, resumed.stdout
+    assert "epoch  1 " not in resumed.stdout
+
+
+def test_synthetic_benchmark_example_runs():
+    result = run(2, ["examples/pytorch_synthetic_benchmark.py", "--model", "convnet", "--num-iters", "2",
+                     "--num-batches-per-iter", "2", "--num-warmup-batches", "1", "--batch-size", "8"],
+                 timeout=180)
+    assert re.search(r"Total img/sec on 2 CPU\(s\): [0-9.]+", result.stdout), result.stdout
