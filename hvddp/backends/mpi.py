@@ -26,6 +26,9 @@ _MPI_TYPES = {
     "float64": MPI.DOUBLE,
 }
 
+# keyed by dtype object: numpy's dtype.name is slow enough to matter per tensor
+_TYPE_OF = {np.dtype(name): mpitype for name, mpitype in _MPI_TYPES.items()}
+
 _MPI_OPS = {
     ReduceOp.SUM: MPI.SUM,
     ReduceOp.AVERAGE: MPI.SUM,
@@ -40,8 +43,9 @@ SPIN_S = 50e-6  # short waits: keep testing, a peer is usually about to arrive
 MAX_BACKOFF_S = 200e-6  # long waits: sleep between tests, at most this long (~5% of a core)
 
 
-def mpi_op(op: int, dtype: str) -> MPI.Op:
-    if dtype == "bool":
+def mpi_op(op: int, dtype) -> MPI.Op:
+    """The MPI op for an hvddp op on ``dtype`` (a name or a numpy dtype); bool uses logical ops."""
+    if dtype == "bool" or getattr(dtype, "kind", "") == "b":
         return _BOOL_OPS[op]
     return _MPI_OPS[op]
 
@@ -66,8 +70,8 @@ def wait(request: MPI.Request, max_backoff_s: float = MAX_BACKOFF_S) -> None:
 
 def allreduce_inplace(comm: MPI.Comm, buf: np.ndarray, op: int, chunk_bytes: int) -> None:
     """Reduce a flat contiguous array in place, ``chunk_bytes`` at a time."""
-    mpitype = _MPI_TYPES[buf.dtype.name]
-    mop = mpi_op(op, buf.dtype.name)
+    mpitype = _TYPE_OF[buf.dtype]
+    mop = mpi_op(op, buf.dtype)
     step = max(1, chunk_bytes // buf.itemsize)
     n = buf.size
     if n <= step:
@@ -79,8 +83,8 @@ def allreduce_inplace(comm: MPI.Comm, buf: np.ndarray, op: int, chunk_bytes: int
 
 def allreduce(comm: MPI.Comm, src: np.ndarray, dst: np.ndarray, op: int, chunk_bytes: int) -> None:
     """Reduce flat contiguous ``src`` into ``dst`` (same dtype and size), chunk by chunk."""
-    mpitype = _MPI_TYPES[src.dtype.name]
-    mop = mpi_op(op, src.dtype.name)
+    mpitype = _TYPE_OF[src.dtype]
+    mop = mpi_op(op, src.dtype)
     step = max(1, chunk_bytes // src.itemsize)
     n = src.size
     if n <= step:
@@ -92,8 +96,8 @@ def allreduce(comm: MPI.Comm, src: np.ndarray, dst: np.ndarray, op: int, chunk_b
 
 
 def reduce_scatter(comm: MPI.Comm, src: np.ndarray, dst: np.ndarray, counts: list, op: int) -> None:
-    mpitype = _MPI_TYPES[src.dtype.name]
-    comm.Reduce_scatter([src, mpitype], [dst, mpitype], counts, mpi_op(op, src.dtype.name))
+    mpitype = _TYPE_OF[src.dtype]
+    comm.Reduce_scatter([src, mpitype], [dst, mpitype], counts, mpi_op(op, src.dtype))
 
 
 def allgatherv_bytes(comm: MPI.Comm, src: np.ndarray, dst: np.ndarray, counts: list) -> None:
