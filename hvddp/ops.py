@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from .backends import device as _device  # protocol checks only; imports no CuPy
-from .engine.executor import Entry, HALF_TYPES
+from .engine.executor import Entry
 from .engine.messages import Kind, ReduceOp, Request
 from .handles import Handle
 from . import runtime

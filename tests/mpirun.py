@@ -63,30 +63,39 @@ def run(np_: int, args: Sequence[str], timeout: float = 180, env: Optional[Dict[
     if python_module_mpi4py:
         cmd += ["-m", "mpi4py"]
     cmd += list(args)
+    started = time.time()
+    try:
+        result = spawn(cmd, timeout, env)
+    except AssertionError:
+        _clean_shm(started)
+        raise
+    if result.returncode != 0:
+        _clean_shm(started)
+    if check and result.returncode != 0:
+        raise AssertionError(f"exit {result.returncode}: {' '.join(cmd)}\n--- output of every rank ---\n"
+                             f"{result.stdout}")
+    return result
+
+
+def spawn(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None
+          ) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own process group (output merged); kill the group and fail on timeout."""
     full_env = dict(os.environ)
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     full_env.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
     full_env["PYTHONUNBUFFERED"] = "1"
-    if env:
-        full_env.update(env)
-    started = time.time()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
+    full_env.update(env or {})
+    proc = subprocess.Popen(list(cmd), cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        _clean_shm(started)
         raise AssertionError(f"TIMEOUT after {timeout} s (killed the process group): {' '.join(cmd)}\n"
                              f"--- output of every rank ---\n{out}")
-    if proc.returncode != 0:
-        _clean_shm(started)
-    result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}: {' '.join(cmd)}\n--- output of every rank ---\n{out}")
-    return result
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, "")
 
 
 def run_pytest(np_: int, test_file: str, timeout: float = 240, env: Optional[Dict[str, str]] = None,

@@ -30,7 +30,7 @@ from .cache import ResponseCache
 from .coordinator import Coordinator, Decision
 from .executor import Entry, Executor
 from ..handles import defer_wakeups, wake_deferred
-from .messages import Kind, Request
+from .messages import Kind
 
 log = logging.getLogger("hvddp")
 
