@@ -519,9 +519,10 @@ def _reducescatter(fn, tensors, name, op, process_set, prescale_factor, postscal
     op = _op(op, None, fn)
     pre = _factor(prescale_factor, fn, "prescale_factor")
     post = _factor(postscale_factor, fn, "postscale_factor")
-    for i, t in enumerate(tensors):
-        _check_reduce(_array(t, fn), op, fn, f"tensors[{i}]" if grouped else "tensor", pre, post)
-    return _gather_like(Kind.REDUCESCATTER, fn, tensors, name, process_set, grouped, op=int(op),
+    arrays = [_array(t, fn, f"tensors[{i}]" if grouped else "tensor") for i, t in enumerate(tensors)]
+    for i, a in enumerate(arrays):
+        _check_reduce(a, op, fn, f"tensors[{i}]" if grouped else "tensor", pre, post)
+    return _gather_like(Kind.REDUCESCATTER, fn, arrays, name, process_set, grouped, op=int(op),
                         prescale=pre, postscale=post)
 
 

@@ -72,11 +72,6 @@ class ProcessSet:
         self._require()
         return len(self.ranks)
 
-    # used by the engine
-    @property
-    def size_(self) -> int:
-        return len(self.ranks)
-
 
 # The engine reads .rank/.size/.comm/.ranks; give it those names without the checks.
 class _Ps:
@@ -110,6 +105,7 @@ class _State:
         self.engine = None
         self.process_sets = {}  # id -> _Ps (engine view)
         self.next_ps_id = 1
+        self.pending_process_sets = {}  # name of an add_process_set call -> the caller's object
         self.timeline = None
 
 
@@ -135,7 +131,7 @@ def _import_mpi():
     return MPI
 
 
-_LAUNCHER_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "SLURM_STEP_NUM_TASKS")
+_LAUNCHER_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
 
 
 def _check_launcher(world_size: int, MPI) -> None:
@@ -145,8 +141,6 @@ def _check_launcher(world_size: int, MPI) -> None:
     for var in _LAUNCHER_VARS:
         value = os.environ.get(var, "")
         if value.isdigit() and int(value) > 1:
-            if var == "MPI_LOCALNRANKS":
-                continue
             library = MPI.Get_library_version().splitlines()[0].strip()
             hint = {
                 "PMI_SIZE": "an MPICH-family mpiexec (hydra)",
@@ -162,10 +156,6 @@ def _check_launcher(world_size: int, MPI) -> None:
                 f"your site uses.")
 
 
-def _ps_view(ps: ProcessSet) -> _Ps:
-    return _Ps(ps)
-
-
 def _register(state: _State, ps: ProcessSet, ps_id: int, world) -> None:
     """Create the communicator of ``ps``: collective over the whole world communicator."""
     if ps.ranks is None:
@@ -179,7 +169,7 @@ def _register(state: _State, ps: ProcessSet, ps_id: int, world) -> None:
     ps.process_set_id = ps_id
     ps._rank = ps.ranks.index(state.rank) if state.rank in ps.ranks else -1
     ps.comm = comm if ps._rank >= 0 else None
-    state.process_sets[ps_id] = _ps_view(ps)
+    state.process_sets[ps_id] = _Ps(ps)
 
 
 def init(comm=None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None:
@@ -266,7 +256,7 @@ def init(comm=None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None
         def make_process_set(kind, request, world_comm):
             from .engine.messages import Kind
             if kind is Kind.ADD_PROCESS_SET:
-                ps = request_sets.pop(request.name, None) or ProcessSet(request.extra)
+                ps = state.pending_process_sets.pop(request.name, None) or ProcessSet(request.extra)
                 _register(state, ps, state.next_ps_id, world_comm)
                 state.next_ps_id += 1
                 return ps
@@ -280,8 +270,6 @@ def init(comm=None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None
                 view.owner._rank = -1
             return None
 
-        request_sets = {}
-        state.pending_process_sets = request_sets
         state.engine = Engine(state.comm, cfg, state.process_sets, make_process_set, state.timeline)
         _S = state
         if not _atexit_registered:

@@ -28,10 +28,8 @@ class ResponseCache:
     def __len__(self) -> int:
         return len(self._by_sig)
 
-    def lookup(self, request: Request) -> Optional[int]:
-        return self._by_sig.get(request.signature())
-
-    def lookup_sig(self, sig: tuple) -> Optional[int]:
+    def lookup(self, sig: tuple) -> Optional[int]:
+        """The slot of a request signature (``Request.signature()``), or None."""
         return self._by_sig.get(sig)
 
     def has_name(self, key: tuple) -> bool:

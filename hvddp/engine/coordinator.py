@@ -39,9 +39,7 @@ class _Waiting:
 
 def _fields(kind: Kind) -> Sequence[str]:
     common = ("dtype", "device")
-    if kind is Kind.ALLREDUCE:
-        return common + ("shape", "op", "prescale", "postscale", "group")
-    if kind is Kind.REDUCESCATTER:
+    if kind in (Kind.ALLREDUCE, Kind.REDUCESCATTER):
         return common + ("shape", "op", "prescale", "postscale", "group")
     if kind in (Kind.ALLGATHER, Kind.ALLTOALL):
         return common + ("ndim", "trailing shape", "group")
@@ -101,16 +99,9 @@ class Coordinator:
             if self.timeline:
                 self.timeline.negotiate_rank_ready(request.name, rank)
 
-    def wants_round(self, now: float) -> bool:
-        """True when rank 0 has something to announce even if no rank sent anything new."""
-        if self._fatal is not None:
-            return True
-        limit = self.config.stall_shutdown_time_s
-        if limit > 0:
-            for waiting in self.table.values():
-                if now - waiting.first_seen > limit:
-                    return True
-        return False
+    def wants_round(self) -> bool:
+        """True when rank 0 has something to announce (a fatal stall) though no rank sent anything."""
+        return self._fatal is not None
 
     def check_stalls(self, now: float) -> None:
         """Log (once per name) which ranks are missing names that others have waited on."""
@@ -144,7 +135,6 @@ class Coordinator:
 
     # ------------------------------------------------------------------------------------
     def decide(self, now: float) -> Decision:
-        self.check_stalls(now)
         ready: List[tuple] = []
         errors: Dict[tuple, str] = {}
         joined = set(self.joined)

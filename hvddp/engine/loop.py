@@ -115,10 +115,6 @@ class Engine:
         if threading.current_thread() is not self._thread:
             self._thread.join()
 
-    @property
-    def running(self) -> bool:
-        return self._thread.is_alive()
-
     # Engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
         cycle_s = self.config.cycle_time_ms / 1000.0
@@ -155,8 +151,10 @@ class Engine:
             self.timeline.mark_cycle()
 
         unsent = self._classify(now)
+        if self.coordinator is not None:
+            self.coordinator.check_stalls(now)  # once per cycle; may make a fatal stall to announce
         flags = 0xFF
-        if unsent or (self.coordinator is not None and self.coordinator.wants_round(now)):
+        if unsent or (self.coordinator is not None and self.coordinator.wants_round()):
             flags &= ~FLAG_NO_UNSENT
         if shutdown:
             flags &= ~FLAG_NOT_SHUTDOWN
@@ -183,8 +181,6 @@ class Engine:
                 self._stop_with(StallError(decision.fatal))
                 return False
             work.extend(self._apply(decision))
-        if self.coordinator is not None:
-            self.coordinator.check_stalls(now)
         if work:
             with self._cv:
                 for _, entry, _ in work:
@@ -217,12 +213,12 @@ class Engine:
                 continue  # still announced by the same slot
             slot = None
             if use_cache and entry.request.kind is Kind.ALLREDUCE and entry.submitted > demote_before:
-                slot = cache.lookup_sig(entry.sig)
+                slot = cache.lookup(entry.sig)
                 if slot is not None and entry.group_keys:
                     for key in entry.group_keys:
                         sibling = pending.get(key)
                         if sibling is None or sibling.state in (SENT, UNSENT) or \
-                                cache.lookup_sig(sibling.sig) is None:
+                                cache.lookup(sibling.sig) is None:
                             slot = None
                             break
             if slot is None:
