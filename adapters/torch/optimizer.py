@@ -23,6 +23,7 @@ import torch
 
 import hvddp
 from hvddp import Average, HvddpError, ProcessSet, ReduceOp, Sum, global_process_set
+from hvddp.ops import _op as _check_op
 
 from ._convert import as_numpy
 from .compression import Compression, Compressor
@@ -102,12 +103,7 @@ class _DistributedOptimizer:
                             f"{type(backward_passes_per_step).__name__} {backward_passes_per_step!r}.")
         if backward_passes_per_step < 1:
             raise ValueError(f"`backward_passes_per_step` must be >= 1, got {backward_passes_per_step}.")
-        try:
-            op = ReduceOp(op)
-        except ValueError:
-            raise ValueError(f"DistributedOptimizer: op must be hvddp.Average or hvddp.Sum, got {op!r}.") from None
-        if op is ReduceOp.ADASUM:
-            raise ValueError("DistributedOptimizer: op=Adasum is not implemented in hvddp; use Average or Sum.")
+        op = _check_op(op, None, "DistributedOptimizer")  # the core's check: unknown ops, Adasum
         if op not in (Average, Sum):
             raise ValueError(f"DistributedOptimizer: op must be hvddp.Average or hvddp.Sum, got {op!r}.")
         if not isinstance(gradient_predivide_factor, numbers.Real) or gradient_predivide_factor <= 0:
