@@ -32,6 +32,8 @@ class Config:
     timeline_mark_cycles: bool = False
     log_level: str = "WARNING"
     gpu_operations: str = "NCCL"
+    cma: bool = True
+    cma_threshold_bytes: int = 1 * _MIB
 
 
 def _int(minimum: int) -> Callable[[str], int]:
@@ -98,6 +100,8 @@ VARIABLES: Mapping[str, tuple] = {
     "TIMELINE_MARK_CYCLES": ("timeline_mark_cycles", _bool),
     "LOG_LEVEL": ("log_level", _choice(*_LOG_LEVELS)),
     "GPU_OPERATIONS": ("gpu_operations", _choice("NCCL", "MPI")),
+    "CMA": ("cma", _bool),
+    "CMA_THRESHOLD": ("cma_threshold_bytes", _int(0)),
 }
 
 

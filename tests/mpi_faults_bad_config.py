@@ -24,6 +24,8 @@ BAD_VALUES = {
     "TIMELINE_MARK_CYCLES": ["2"],
     "LOG_LEVEL": ["LOUD", "3"],
     "GPU_OPERATIONS": ["GLOO"],
+    "CMA": ["auto"],
+    "CMA_THRESHOLD": ["1MB", "-2"],
 }
 # Checked separately (see test_bad_input.py): a value that parses but cannot be used.
 USED_AT_INIT = {"TIMELINE": "/proc/nonexistent-hvddp/timeline.json"}

@@ -16,6 +16,17 @@ def test_core_collectives(np_):
     run_pytest(np_, "tests/mpi_core.py", timeout=300)
 
 
+@pytest.mark.parametrize("np_", [2, 3])
+def test_core_collectives_through_cross_memory_for_every_size(np_):
+    """Threshold 0: every allreduce group takes the single-copy path (ops, dtypes, join, sets)."""
+    run_pytest(np_, "tests/mpi_core.py", timeout=300, env={"HVDDP_CMA_THRESHOLD": "0"})
+
+
+def test_core_collectives_with_cross_memory_off():
+    run_pytest(2, "tests/mpi_core.py", timeout=300, env={"HVDDP_CMA": "0"},
+               extra=["-k", "large or cross_memory or join or process_set"])
+
+
 def _python(code, env=None, timeout=60):
     full = dict(os.environ)
     full.update(env or {})

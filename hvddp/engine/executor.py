@@ -81,6 +81,7 @@ class Executor:
 
         self.mpi = mpi_backend
         self.gpu = None  # the GpuExecutor, made on the first device item
+        self._cma: Dict[int, object] = {}  # ps_id -> CrossMemory, or None where it cannot run
 
     def _gpu(self):
         if self.gpu is None:
@@ -90,7 +91,24 @@ class Executor:
                                    timeline=self.timeline)
         return self.gpu
 
+    def _cross_memory(self, ps_id: int, nbytes: int):
+        """The single-copy path for ``nbytes`` on ``ps``, or None (then MPI reduces).
+
+        Decided from agreed sizes only, so every member asks at the same batch; the first ask
+        per process set is a collective probe.
+        """
+        config = self.config
+        if not config.cma or nbytes < config.cma_threshold_bytes:
+            return None
+        cma = self._cma.get(ps_id, False)
+        if cma is False:
+            from ..backends.cma import CrossMemory
+
+            cma = self._cma[ps_id] = CrossMemory.probe(self.process_sets[ps_id].comm)
+        return cma
+
     def forget_process_set(self, ps_id: int) -> None:
+        self._cma.pop(ps_id, None)
         if self.gpu is not None:
             self.gpu.forget_process_set(ps_id)
 
@@ -135,7 +153,14 @@ class Executor:
                 groups[-1][1].append(item)
             else:
                 groups.append([nbytes, [item]])
-        for groups in batches.values():
+        for key, groups in batches.items():
+            if key[5] == "cpu":
+                cma = self._cross_memory(key[0], sum(g[0] for g in groups))
+                if cma is not None:
+                    group = [item for _, batch in groups for item in batch]
+                    if all(item[0].dtype == key[4] for item in group):  # no half types to widen
+                        self._allreduce_many(cma, group)
+                        continue
             for _, batch in groups:
                 if batch[0][0].device == "cpu":
                     self._allreduce_batch(batch)
@@ -281,7 +306,11 @@ class Executor:
                         _scaled_copy(view, entry.input.reshape(-1), pre)
                 if tl:
                     tl.activities([item[0].name for item in batch], "MPI_ALLREDUCE")
-                self.mpi.allreduce_inplace(ps.comm, buf, request0.op, chunk)
+                cma = self._cross_memory(request0.ps_id, buf.nbytes)
+                if cma is not None:
+                    cma.allreduce(buf, buf, request0.op)
+                else:
+                    self.mpi.allreduce_inplace(ps.comm, buf, request0.op, chunk)
                 if tl:
                     tl.activities([item[0].name for item in batch], "MEMCPY_OUT_FUSION_BUFFER")
                 for (request, entry, _), view in zip(batch, views):
@@ -299,6 +328,47 @@ class Executor:
         if tl:
             tl.end([item[0].name for item in batch])
         for request, entry, _ in batch:
+            if entry is not None:
+                entry.complete(entry.output)
+
+
+    def _allreduce_many(self, cma, group: list) -> None:
+        """Reduce a fusion key's whole group on its own memory through cross-memory attach.
+
+        No fusion buffer: the peers read each array's slices where they are, Average's 1/size
+        (and any float postscale) is applied by each slice's owner, and out-of-place results
+        cost no more than in-place ones.
+        """
+        request0 = group[0][0]
+        ps = self.process_sets[request0.ps_id]
+        pre = request0.prescale
+        post = _post_factor(request0, ps.size)
+        names = [item[0].name for item in group] if self.timeline else None
+        try:
+            srcs, dsts = [], []
+            for request, entry, _ in group:
+                src, dst = _buffers(request, entry, self.pool)
+                if pre != 1.0:
+                    _scaled_copy(dst, src, pre)
+                    src = dst
+                srcs.append(src)
+                dsts.append(dst)
+            folded = post if dsts[0].dtype.kind == "f" else 1.0
+            if names:
+                self.timeline.activities(names, "CMA_ALLREDUCE")
+            cma.allreduce_many(srcs, dsts, request0.op, folded)
+            if post != folded:  # integers: scaled and truncated afterwards
+                for dst in dsts:
+                    _scaled_copy(dst, dst, post)
+        except Exception as exc:
+            error = HvddpError(f"allreduce of {[item[0].name for item in group]} failed: {exc}")
+            for _, entry, _ in group:
+                if entry is not None:
+                    entry.fail(error)
+            return
+        if names:
+            self.timeline.end(names)
+        for _, entry, _ in group:
             if entry is not None:
                 entry.complete(entry.output)
 
