@@ -195,7 +195,7 @@ def _group_id(names: Sequence[str]) -> str:
 
 def _submit(state, entries: List[Entry]) -> None:
     if len(entries) > 1:
-        keys = tuple(e.request.key() for e in entries)
+        keys = tuple(e.key for e in entries)
         for e in entries:
             e.group_keys = keys
     state.engine.submit(entries)

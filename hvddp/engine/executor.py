@@ -31,12 +31,13 @@ def wire_dtype(dtype: str) -> str:
 class Entry:
     """A request this rank submitted, with its buffers and the handle to complete."""
 
-    __slots__ = ("request", "input", "output", "writeback", "handle", "index", "submitted",
+    __slots__ = ("request", "key", "input", "output", "writeback", "handle", "index", "submitted",
                  "state", "slot", "group_keys", "sig", "cache_version", "ready")
 
     def __init__(self, request: Request, input_: Optional[np.ndarray], output: Optional[np.ndarray],
                  handle, index: int, submitted: float, writeback: Optional[np.ndarray] = None) -> None:
         self.request = request
+        self.key = (request.ps_id, request.name)  # request.key(), made once
         self.input = input_
         self.output = output  # set for in-place ops; allocated at execution otherwise
         self.writeback = writeback  # a non-contiguous in-place target, written at the end

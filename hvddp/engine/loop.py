@@ -56,7 +56,11 @@ class Engine:
         self.executor = Executor(config, process_sets, timeline)
         self.coordinator = (Coordinator(self.size, process_sets, self.cache, config, timeline)
                             if self.rank == 0 else None)
-        self._cv = threading.Condition(threading.Lock())
+        # ``with self._lock`` (a C-level lock) guards the queue; the condition over the same
+        # lock wakes an idle engine, and is notified only while the engine sleeps on it.
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._sleeping = False
         self._queue: List[Entry] = []
         self._names: set = set()
         self._pending: Dict[tuple, Entry] = {}
@@ -77,10 +81,10 @@ class Engine:
     # User thread -------------------------------------------------------------------------
     def submit(self, entries: List[Entry]) -> None:
         """Queue entries (all or none); a name already pending is a ``ValueError``."""
-        with self._cv:
+        with self._lock:
             if self._error is not None:
                 raise type(self._error)(str(self._error))
-            keys = [e.request.key() for e in entries]
+            keys = [e.key for e in entries]
             for key in keys:
                 if key in self._names:
                     raise ValueError(
@@ -96,20 +100,21 @@ class Engine:
 
     def submit_one(self, entry: Entry) -> None:
         """``submit([entry])`` without the list: the per-gradient hot path."""
-        key = entry.request.key()
-        with self._cv:
+        key = entry.key
+        with self._lock:
             if self._error is not None or key in self._names:
                 pass  # the general path raises the right error
             else:
                 self._names.add(key)
                 self._queue.append(entry)
-                self._cv.notify()
+                if self._sleeping:
+                    self._cv.notify()
                 return
         self.submit([entry])
 
     def stop(self) -> None:
         """Ask every rank's engine to stop (collectively) and wait for this one to end."""
-        with self._cv:
+        with self._lock:
             self._shutdown_requested = True
             self._cv.notify()
         if threading.current_thread() is not self._thread:
@@ -121,10 +126,12 @@ class Engine:
         last = 0.0
         try:
             while True:
-                with self._cv:
+                with self._lock:
                     idle = not self._queue and not self._pending and not self._shutdown_requested
                     if idle:  # a request after idleness starts a cycle at once
+                        self._sleeping = True
                         self._cv.wait(IDLE_WAIT_S)
+                        self._sleeping = False
                 if not idle:  # a busy engine lets requests gather for fusion
                     wait = last + cycle_s - time.monotonic()
                     if wait > 0:
@@ -142,11 +149,11 @@ class Engine:
                 log.exception("hvddp: releasing the GPU path failed on rank %d", self.rank)
 
     def _cycle(self, now: float) -> bool:
-        with self._cv:
+        with self._lock:
             new, self._queue = self._queue, []
             shutdown = self._shutdown_requested
         for entry in new:
-            self._pending[entry.request.key()] = entry
+            self._pending[entry.key] = entry
         if self.timeline and self.config.timeline_mark_cycles:
             self.timeline.mark_cycle()
 
@@ -182,10 +189,10 @@ class Engine:
                 return False
             work.extend(self._apply(decision))
         if work:
-            with self._cv:
+            with self._lock:
                 for _, entry, _ in work:
                     if entry is not None:
-                        self._names.discard(entry.request.key())
+                        self._names.discard(entry.key)
             defer_wakeups()
             try:
                 self.executor.run(work)
@@ -320,7 +327,7 @@ class Engine:
             entry = self._pending.pop(response.key(), None) if member else None
             if response.error is not None:
                 if entry is not None:
-                    with self._cv:
+                    with self._lock:
                         self._names.discard(response.key())
                     entry.fail(MismatchError(response.error))
                 continue
@@ -331,7 +338,7 @@ class Engine:
                     self.executor.forget_process_set(response.request.extra[0])
                 result = self._make_process_set(kind, response.request, self.comm)
                 if entry is not None:
-                    with self._cv:
+                    with self._lock:
                         self._names.discard(response.key())
                     entry.complete(result)
                 continue
@@ -353,7 +360,7 @@ class Engine:
         if not isinstance(error, ShutdownError):
             # a peer stuck outside hvddp never sees this error: end the job at exit, not hang
             _faults.world_broken(f"{type(error).__name__}: {error}")
-        with self._cv:
+        with self._lock:
             self._error = error
             entries = list(self._pending.values()) + self._queue
             self._pending.clear()
