@@ -2,21 +2,22 @@
 
 MPI moves every byte of a shared-memory allreduce through a staging segment (copied in by the
 sender, out by the receiver) and reduces into a temporary; an Average then needs one more pass
-for its 1/size. When every rank of a communicator is on one node and may read its peers' memory
-(``process_vm_readv``: same user, not refused by Yama or seccomp), hvddp does less:
+for its 1/size. When every rank of a communicator is on one node and may access its peers'
+memory (``process_vm_readv``/``process_vm_writev``: same user, not refused by Yama or seccomp),
+hvddp does less:
 
 1. the ranks swap the addresses of their input and output arrays (one small ``Allgather``);
-2. rank r reduces slice r of the array (1/size of it), reading each peer's slice of the input
-   straight from the peer's memory, piece by piece into a cache-sized scratch array, and scales
-   it while it is still in cache (Average's 1/size costs no extra pass);
-3. after a barrier, each rank copies the other slices, reduced and scaled, from their owners
-   into its output;
-4. a final ``Allreduce`` of an ok-flag tells every rank that every copy succeeded (and that no
-   peer still reads its arrays), so a failure raises on all ranks instead of leaving wrong data.
+2. rank r owns slice r (1/size) of every array. Piece by piece, it reads the peers' inputs for
+   that piece straight from their memory into a cache-sized scratch array, reduces them with its
+   own into its output, scales the piece while it is in cache (Average's 1/size costs no extra
+   pass) and writes it, still in cache, into every peer's output;
+3. a final ``Allreduce`` of an ok-flag tells every rank that all pieces arrived (and that no peer
+   touches its arrays any more), so a failure raises on all ranks instead of leaving wrong data.
 
-Each slice is computed by one rank and copied to the others, so all ranks end bit-identical.
-``probe()`` decides, collectively, whether a communicator can use this path; ``HVDDP_CMA=0``
-turns it off.
+In place is safe: the input piece a rank reads from a peer lies in the slice that rank owns, and
+the owner is the only one to write there, after reading it. Each slice is computed by one rank
+and copied to the others, so all ranks end bit-identical. ``probe()`` decides, collectively,
+whether a communicator can use this path; ``HVDDP_CMA=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class _IoVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
-_IOV_MAX = 1024  # Linux's limit on iovecs per process_vm_readv call
+_IOV_MAX = 1024  # Linux's limit on iovecs per process_vm_readv/writev call
 
 
 def _libc():
@@ -57,12 +58,13 @@ def _libc():
         return None
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        read = libc.process_vm_readv
+        functions = (libc.process_vm_readv, libc.process_vm_writev)
     except (OSError, AttributeError):
         return None
-    read.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
-                     ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
-    read.restype = ctypes.c_ssize_t
+    for fn in functions:
+        fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                       ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+        fn.restype = ctypes.c_ssize_t
     return libc
 
 
@@ -84,10 +86,9 @@ class CrossMemory:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        self._read_fn = libc.process_vm_readv
+        self._readv_fn = libc.process_vm_readv
+        self._writev_fn = libc.process_vm_writev
         self._pids = pids
-        self._addrs = np.zeros((self.size, 2), dtype=np.int64)
-        self._mine = np.zeros(2, dtype=np.int64)
         self._flag = np.zeros(1, dtype=np.int32)
         self._scratch = np.empty(SCRATCH_BYTES, dtype=np.uint8)
         self._local_iov = (_IoVec * _IOV_MAX)()
@@ -96,39 +97,49 @@ class CrossMemory:
 
     @classmethod
     def probe(cls, comm: MPI.Comm) -> Optional["CrossMemory"]:
-        """Collective over ``comm``: a ``CrossMemory`` on every rank, or None on every rank."""
-        size = comm.Get_size()
+        """Collective over ``comm``: a ``CrossMemory`` on every rank, or None on every rank.
+
+        Every rank reads a marker from each peer and writes one into it, then checks what it got.
+        """
+        size, rank = comm.Get_size(), comm.Get_rank()
         if size < 2:
             return None
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         ok = node.Get_size() == size
         node.Free()
         libc = _libc() if ok else None
-        ok = libc is not None
-        if not comm.allreduce(ok, op=MPI.LAND):
+        if not comm.allreduce(libc is not None, op=MPI.LAND):
             return None
         _allow_peers(libc)
         pids = comm.allgather(os.getpid())
-        marker = np.array([1000003 * (comm.Get_rank() + 1)], dtype=np.int64)
-        addrs = comm.allgather(marker.ctypes.data)
+        marker = np.array([_marker(rank, rank)], dtype=np.int64)
+        inbox = np.zeros(size, dtype=np.int64)  # slot q: written by rank q
+        addrs = comm.allgather((marker.ctypes.data, inbox.ctypes.data))
         self = cls(comm, libc, pids)
         seen = np.zeros(1, dtype=np.int64)
+        ok = True
         for peer in range(size):
-            if peer == self.rank:
+            if peer == rank:
                 continue
             try:
-                remote = self._remote_iov
-                remote[0].base, remote[0].len = addrs[peer], seen.nbytes
-                self._readv(peer, seen.ctypes.data, seen.nbytes, 1)
+                self._one(self._readv_fn, peer, seen, addrs[peer][0])
+                seen[0] = seen[0] == _marker(peer, peer)
+                note = np.array([_marker(rank, peer)], dtype=np.int64)
+                self._one(self._writev_fn, peer, note, addrs[peer][1] + rank * 8)
             except OSError:
                 ok = False
                 break
-            if int(seen[0]) != 1000003 * (peer + 1):
-                ok = False
-                break
-        ok = comm.allreduce(ok, op=MPI.LAND)  # peers are done reading ``marker`` after this
-        del marker
+            ok = ok and bool(seen[0])
+        comm.Barrier()  # every write has landed
+        ok = ok and all(int(inbox[q]) == _marker(q, rank) for q in range(size) if q != rank)
+        ok = comm.allreduce(ok, op=MPI.LAND)  # and no peer touches ``marker``/``inbox`` after this
+        del marker, inbox
         return self if ok else None
+
+    def _one(self, fn, peer: int, local: np.ndarray, address: int) -> None:
+        self._local_iov[0].base, self._local_iov[0].len = local.ctypes.data, local.nbytes
+        self._remote_iov[0].base, self._remote_iov[0].len = address, local.nbytes
+        self._call(fn, peer, 1, 1, local.nbytes)
 
     def allreduce(self, src: np.ndarray, dst: np.ndarray, op: int, scale: float = 1.0) -> None:
         """``dst = reduce(src of every rank) * scale`` for one flat contiguous array pair."""
@@ -141,7 +152,7 @@ class CrossMemory:
         1.0 unless it is floating point. The arrays need not be adjacent: this is fusion without
         a fusion buffer. Collective: every rank passes the same sizes in the same order.
         """
-        comm, rank, size = self.comm, self.rank, self.size
+        comm, size = self.comm, self.size
         k = len(dsts)
         mine = np.empty((k, 2), dtype=np.int64)
         for i in range(k):
@@ -149,24 +160,14 @@ class CrossMemory:
             mine[i, 1] = dsts[i].ctypes.data
         addrs = np.empty((size, k, 2), dtype=np.int64)
         comm.Allgather([mine, MPI.INT64_T], [addrs, MPI.INT64_T])
-        counts = np.fromiter((d.size for d in dsts), dtype=np.int64, count=k)
-        item = dsts[0].itemsize
-        # bounds[r, i]: where rank r's slice of array i starts (row size: where it ends)
-        bounds = counts[None, :] * np.arange(size + 1, dtype=np.int64)[:, None] // size
         ok = 1
         try:
-            self._reduce_slices(srcs, dsts, addrs, bounds, op, scale)
+            self._reduce_and_push(srcs, dsts, addrs, op, scale)
         except OSError as exc:
             self._error, ok = str(exc), 0
-        comm.Barrier()  # every slice is reduced (and scaled) by its owner
-        if ok:
-            try:
-                self._gather_slices(dsts, addrs, bounds)
-            except OSError as exc:
-                self._error, ok = str(exc), 0
         flag = self._flag
         flag[0] = ok
-        # also the barrier after which no peer reads this rank's arrays any more
+        # also the barrier after which no peer touches this rank's arrays any more
         comm.Allreduce(MPI.IN_PLACE, [flag, MPI.INT32_T], MPI.MIN)
         if not flag[0]:
             mine_error, self._error = self._error, None
@@ -174,8 +175,8 @@ class CrossMemory:
                           f"{'this rank: ' + mine_error if mine_error else 'another rank'}; set "
                           f"HVDDP_CMA=0 to reduce through MPI instead.")
 
-    def _reduce_slices(self, srcs, dsts, addrs, bounds, op: int, scale: float) -> None:
-        """Reduce this rank's slice of every array, scratch-sized pieces at a time."""
+    def _reduce_and_push(self, srcs, dsts, addrs, op: int, scale: float) -> None:
+        """Reduce this rank's slice of every array and write it to the peers, a scratch at a time."""
         dtype = dsts[0].dtype
         ufunc = (_BOOL_UFUNCS if dtype.kind == "b" else _UFUNCS)[op]
         factor = dtype.type(scale) if scale != 1.0 else None
@@ -183,33 +184,45 @@ class CrossMemory:
         room = max(1, SCRATCH_BYTES // item)
         scratch = self._scratch.view(dtype)
         scratch_base = self._scratch.ctypes.data
-        rank = self.rank
-        peers = [p for p in range(self.size) if p != rank]
-        remote = self._remote_iov
+        rank, size = self.rank, self.size
+        peers = [p for p in range(size) if p != rank]
+        local, remote = self._local_iov, self._remote_iov
+        outs = [d.ctypes.data for d in dsts]
         pieces = []  # (array index, start, stop), together at most one scratch-full
 
         def flush(used):
-            for n_peer, peer in enumerate(peers):
+            n = len(pieces)
+            for n_peer, peer in enumerate(peers):  # reduce: peers' inputs, through the scratch
                 src_addrs = addrs[peer, :, 0]
                 for j, (i, start, stop) in enumerate(pieces):
                     remote[j].base = int(src_addrs[i]) + start * item
                     remote[j].len = (stop - start) * item
-                self._readv(peer, scratch_base, used * item, len(pieces))
+                local[0].base, local[0].len = scratch_base, used * item
+                self._call(self._readv_fn, peer, 1, n, used * item)
                 offset = 0
                 for i, start, stop in pieces:
                     end = offset + stop - start
                     out = dsts[i][start:stop]
                     ufunc(out if n_peer else srcs[i][start:stop], scratch[offset:end], out=out)
                     offset = end
-            if factor is not None:
-                for i, start, stop in pieces:
+            for i, start, stop in pieces:
+                if factor is not None:
                     out = dsts[i][start:stop]
                     np.multiply(out, factor, out=out)
+            for j, (i, start, stop) in enumerate(pieces):  # push: the same pieces, still in cache
+                local[j].base = outs[i] + start * item
+                local[j].len = (stop - start) * item
+            for peer in peers:
+                dst_addrs = addrs[peer, :, 1]
+                for j, (i, start, stop) in enumerate(pieces):
+                    remote[j].base = int(dst_addrs[i]) + start * item
+                    remote[j].len = local[j].len
+                self._call(self._writev_fn, peer, n, n, used * item)
 
         used = 0
-        lo, hi = bounds[rank].tolist(), bounds[rank + 1].tolist()
-        for i in range(len(dsts)):
-            start, stop = lo[i], hi[i]
+        for i, d in enumerate(dsts):
+            count = d.size
+            start, stop = count * rank // size, count * (rank + 1) // size
             while start < stop:
                 take = min(stop - start, room - used)
                 pieces.append((i, start, start + take))
@@ -222,46 +235,14 @@ class CrossMemory:
         if pieces:
             flush(used)
 
-    def _gather_slices(self, dsts, addrs, bounds) -> None:
-        """Copy every peer's reduced slices into this rank's outputs, many per system call."""
-        item = dsts[0].itemsize
-        local, remote = self._local_iov, self._remote_iov
-        outs = [d.ctypes.data for d in dsts]
-        for peer in range(self.size):
-            if peer == self.rank:
-                continue
-            lo, hi = bounds[peer].tolist(), bounds[peer + 1].tolist()
-            dst_addrs = addrs[peer, :, 1].tolist()
-            n = 0
-            for i in range(len(dsts)):
-                if hi[i] <= lo[i]:
-                    continue
-                nbytes = (hi[i] - lo[i]) * item
-                local[n].base = outs[i] + lo[i] * item
-                remote[n].base = dst_addrs[i] + lo[i] * item
-                local[n].len = remote[n].len = nbytes
-                n += 1
-                if n == _IOV_MAX:
-                    self._readv_iov(peer, n)
-                    n = 0
-            if n:
-                self._readv_iov(peer, n)
-
-    def _readv(self, peer: int, local_base: int, nbytes: int, count: int) -> None:
-        """Read ``count`` remote iovecs into one local range."""
-        local = self._local_iov
-        local[0].base = local_base
-        local[0].len = nbytes
-        self._call(peer, 1, count, nbytes)
-
-    def _readv_iov(self, peer: int, count: int) -> None:
-        """Read ``count`` remote iovecs into as many local ones (pairwise the same lengths)."""
-        local = self._local_iov
-        self._call(peer, count, count, sum(local[j].len for j in range(count)))
-
-    def _call(self, peer: int, n_local: int, n_remote: int, expected: int) -> None:
-        done = self._read_fn(self._pids[peer], self._local_iov, n_local, self._remote_iov, n_remote, 0)
+    def _call(self, fn, peer: int, n_local: int, n_remote: int, expected: int) -> None:
+        done = fn(self._pids[peer], self._local_iov, n_local, self._remote_iov, n_remote, 0)
         if done != expected:
             err = ctypes.get_errno()
-            raise OSError(err, f"process_vm_readv from rank {peer} (pid {self._pids[peer]}) read "
-                               f"{done} of {expected} bytes: {os.strerror(err) if done < 0 else 'short read'}")
+            what = "process_vm_readv from" if fn is self._readv_fn else "process_vm_writev to"
+            raise OSError(err, f"{what} rank {peer} (pid {self._pids[peer]}) moved {done} of "
+                               f"{expected} bytes: {os.strerror(err) if done < 0 else 'short transfer'}")
+
+
+def _marker(owner: int, reader: int) -> int:
+    return 1000003 * (owner + 1) + 7919 * (reader + 1)
