@@ -172,6 +172,24 @@ def _register(state: _State, ps: ProcessSet, ps_id: int, world) -> None:
     state.process_sets[ps_id] = _Ps(ps)
 
 
+# Settings that decide which MPI calls a cycle makes: ranks that differ would desynchronize.
+_AGREED = ("fusion_threshold_bytes", "mpi_chunk_bytes", "cache_capacity", "cma", "cma_threshold_bytes",
+           "gpu_operations")
+
+
+def _check_config_agrees(comm, cfg) -> None:
+    """Raise on every rank when a setting in ``_AGREED`` differs between ranks."""
+    rows = comm.allgather(tuple(getattr(cfg, field) for field in _AGREED))
+    for i, field in enumerate(_AGREED):
+        values = [row[i] for row in rows]
+        if len(set(values)) > 1:
+            name = "HVDDP_" + next(k for k, v in _config.VARIABLES.items() if v[0] == field)
+            listed = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+            raise ValueError(f"environment variable {name} differs across ranks ({listed}); every "
+                             f"rank must use the same value. Set it for the whole job (mpiexec -genv "
+                             f"{name}=..., or export it before launching).")
+
+
 def init(comm=None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None:
     """Initialize hvddp: MPI, the communicators and the background engine.
 
@@ -251,6 +269,7 @@ def init(comm=None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None
         problem = state.comm.bcast(problem, root=0)
         if problem:
             raise ValueError(problem)
+        _check_config_agrees(state.comm, cfg)
         from .engine.loop import Engine
 
         def make_process_set(kind, request, world_comm):

@@ -81,5 +81,22 @@ def timeline_main() -> None:
         os._exit(1)
 
 
+def disagree_main() -> None:
+    """Ranks set one engine variable differently: init() must refuse on every rank."""
+    import hvddp
+
+    rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    os.environ["HVDDP_CMA_THRESHOLD"] = str(1000 + rank)
+    try:
+        hvddp.init()
+        outcome = "initialized"
+    except ValueError as exc:
+        outcome = f"ValueError: {exc}"
+        assert not hvddp.is_initialized()
+    sys.stdout.write(f"DISAGREE OUTCOME {outcome}\n")
+    sys.stdout.flush()
+
+
 if __name__ == "__main__":
-    timeline_main() if sys.argv[1:] == ["timeline"] else main()
+    mode = sys.argv[1:]
+    timeline_main() if mode == ["timeline"] else disagree_main() if mode == ["disagree"] else main()

@@ -28,6 +28,15 @@ def test_bad_timeline_path_fails_on_every_rank():
         assert outcome.startswith("ValueError") and "HVDDP_TIMELINE" in outcome, result.stdout
 
 
+def test_engine_variables_that_differ_across_ranks_fail_on_every_rank():
+    result = run(2, ["tests/mpi_faults_bad_config.py", "disagree"], timeout=60)
+    outcomes = re.findall(r"DISAGREE OUTCOME (.*)", result.stdout)
+    assert len(outcomes) == 2, result.stdout
+    for outcome in outcomes:
+        assert outcome.startswith("ValueError") and "HVDDP_CMA_THRESHOLD differs" in outcome, outcome
+        assert "rank 0: 1000, rank 1: 1001" in outcome, outcome
+
+
 def test_hypothesis_bad_input_numpy_core_and_torch_adapter():
     """Every drawn call: the right answer or a clear ValueError/TypeError, alike on both ranks.
 
