@@ -33,7 +33,7 @@ class Config:
     log_level: str = "WARNING"
     gpu_operations: str = "NCCL"
     cma: bool = True
-    cma_threshold_bytes: int = 1 * _MIB
+    cma_threshold_bytes: int = 256 << 10
 
 
 def _int(minimum: int) -> Callable[[str], int]:

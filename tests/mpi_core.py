@@ -368,7 +368,7 @@ def _cross_memory_in_use():
 
 
 def test_large_and_grouped_allreduces_exact_on_every_path():
-    """Arrays past the single-copy threshold (1 MiB by default), alone and in a fusion group.
+    """Arrays past the single-copy threshold (256 KiB by default), alone and in a fusion group.
 
     With cross-memory attach the group is reduced on its own memory and Average's 1/size is
     applied by each slice's owner; results must equal the exact reference, inputs untouched,
