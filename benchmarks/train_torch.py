@@ -12,6 +12,14 @@ samples/s, the ratios, and where each rank's CPU time went: the training thread,
 thread of the process (hvddp's engine, gloo's workers). With one core per rank the two add up:
 communication that runs on the same core is not hidden by overlap. The workers are this same
 file with ``--mode``.
+
+glibc's malloc serves the 4 MiB gradients with fresh ``mmap`` pages whenever its dynamic mmap
+threshold happens to sit below 4 MiB, and ``zero_grad()`` (which frees them) then makes every step
+page-fault ~80 MB in again: one process measured 150-155 ms/step in that mode and 127-129 ms/step
+out of it, on the same machine, depending on what was allocated before. The driver therefore
+fixes the threshold for all three runs (``MALLOC_MMAP_THRESHOLD_=32 MiB``,
+``MALLOC_TRIM_THRESHOLD_=1 GiB``; PyTorch's CPU performance guide suggests jemalloc or tcmalloc
+for the same reason); ``--default-malloc`` leaves glibc's defaults.
 """
 
 from __future__ import annotations
@@ -80,7 +88,6 @@ def worker(mode: str, steps: int, warmup: int) -> None:
         ranks = 1
     elif mode == "hvddp":
         import hvddp.torch as hvd
-
         hvd.init()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -121,6 +128,8 @@ def _run(mode: str, args) -> dict:
     mpiexec = os.path.join(os.path.dirname(py), "mpiexec")
     worker_args = [HERE, "--mode", mode, "--steps", str(args.steps), "--warmup", str(args.warmup)]
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    if not args.default_malloc:
+        env.update(MALLOC_MMAP_THRESHOLD_=str(32 << 20), MALLOC_TRIM_THRESHOLD_=str(1 << 30))
     if mode == "single":
         cmd = [py] + worker_args
     elif mode == "hvddp":
@@ -141,6 +150,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2, help="rounds of the three runs; best kept")
     parser.add_argument("--np", type=int, default=2)
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="keep glibc's dynamic mmap threshold (runs may then be bimodal)")
     args = parser.parse_args()
     if args.mode:
         worker(args.mode, args.steps, args.warmup)
@@ -154,7 +165,8 @@ def main() -> None:
     single = best["single"]["ms_per_step"]
     ddp = best["ddp"]["ms_per_step"]
     print(f"model: {DEPTH} x [Linear({WIDTH},{WIDTH}) + LayerNorm + ReLU] + Linear({WIDTH},10), "
-          f"batch {BATCH}/rank, 1 thread/rank, pinned; {args.steps} timed steps, best of {args.repeats}")
+          f"batch {BATCH}/rank, 1 thread/rank, pinned; {args.steps} timed steps, best of {args.repeats}; "
+          f"malloc: {'glibc defaults' if args.default_malloc else 'fixed mmap threshold'}")
     print("| run | ranks | ms/step | samples/s | vs one process | vs DDP | CPU ms/step: training thread "
           "+ other threads (slowest rank) |")
     print("|---|---|---|---|---|---|---|")
