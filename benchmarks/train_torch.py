@@ -88,6 +88,7 @@ def worker(mode: str, steps: int, warmup: int) -> None:
         ranks = 1
     elif mode == "hvddp":
         import hvddp.torch as hvd
+
         hvd.init()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
