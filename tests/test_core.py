@@ -27,6 +27,13 @@ def test_core_collectives_with_cross_memory_off():
                extra=["-k", "large or cross_memory or join or process_set"])
 
 
+def test_cross_memory_falls_back_together_and_fails_on_every_rank():
+    out = run(2, [os.path.join(ROOT, "tests", "mpi_core_cma.py")], timeout=60).stdout
+    assert out.count("fallback ok") == 2 and out.count("recovered ok") == 2, out
+    assert "failed on this rank: [Errno 14] simulated" in out, out
+    assert "failed on rank 1 of the process set" in out, out
+
+
 def _python(code, env=None, timeout=60):
     full = dict(os.environ)
     full.update(env or {})

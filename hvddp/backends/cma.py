@@ -68,15 +68,16 @@ def _libc():
     return libc
 
 
-def _allow_peers(libc) -> None:
-    """Under Yama's ptrace_scope=1 only ancestors may read a process: let same-user peers."""
+def _allow_peers(libc) -> bool:
+    """Under Yama's ptrace_scope=1 only ancestors may attach: let same-user processes. True if set."""
     try:
         with open("/proc/sys/kernel/yama/ptrace_scope") as f:
             scope = f.read().strip()
     except OSError:
-        return
-    if scope == "1":
-        libc.prctl(_PR_SET_PTRACER, ctypes.c_ulong(_PR_SET_PTRACER_ANY), 0, 0, 0)
+        return False
+    if scope != "1":
+        return False
+    return libc.prctl(_PR_SET_PTRACER, ctypes.c_ulong(_PR_SET_PTRACER_ANY), 0, 0, 0) == 0
 
 
 class CrossMemory:
@@ -99,7 +100,9 @@ class CrossMemory:
     def probe(cls, comm: MPI.Comm) -> Optional["CrossMemory"]:
         """Collective over ``comm``: a ``CrossMemory`` on every rank, or None on every rank.
 
-        Every rank reads a marker from each peer and writes one into it, then checks what it got.
+        Every rank reads a marker from each peer and, only if it read the right one, writes one
+        into it; then each checks what it got. Under Yama's ptrace_scope=1 a first failure is
+        retried after letting same-user processes attach (``PR_SET_PTRACER``).
         """
         size, rank = comm.Get_size(), comm.Get_rank()
         if size < 2:
@@ -110,12 +113,18 @@ class CrossMemory:
         libc = _libc() if ok else None
         if not comm.allreduce(libc is not None, op=MPI.LAND):
             return None
-        _allow_peers(libc)
-        pids = comm.allgather(os.getpid())
+        self = cls(comm, libc, comm.allgather(os.getpid()))
+        if self._exchange_markers():
+            return self
+        if comm.allreduce(_allow_peers(libc), op=MPI.LOR) and self._exchange_markers():
+            return self
+        return None
+
+    def _exchange_markers(self) -> bool:
+        comm, size, rank = self.comm, self.size, self.rank
         marker = np.array([_marker(rank, rank)], dtype=np.int64)
         inbox = np.zeros(size, dtype=np.int64)  # slot q: written by rank q
         addrs = comm.allgather((marker.ctypes.data, inbox.ctypes.data))
-        self = cls(comm, libc, pids)
         seen = np.zeros(1, dtype=np.int64)
         ok = True
         for peer in range(size):
@@ -123,18 +132,19 @@ class CrossMemory:
                 continue
             try:
                 self._one(self._readv_fn, peer, seen, addrs[peer][0])
-                seen[0] = seen[0] == _marker(peer, peer)
+                if int(seen[0]) != _marker(peer, peer):  # not the process we think it is
+                    ok = False
+                    break
                 note = np.array([_marker(rank, peer)], dtype=np.int64)
                 self._one(self._writev_fn, peer, note, addrs[peer][1] + rank * 8)
             except OSError:
                 ok = False
                 break
-            ok = ok and bool(seen[0])
         comm.Barrier()  # every write has landed
         ok = ok and all(int(inbox[q]) == _marker(q, rank) for q in range(size) if q != rank)
         ok = comm.allreduce(ok, op=MPI.LAND)  # and no peer touches ``marker``/``inbox`` after this
         del marker, inbox
-        return self if ok else None
+        return ok
 
     def _one(self, fn, peer: int, local: np.ndarray, address: int) -> None:
         self._local_iov[0].base, self._local_iov[0].len = local.ctypes.data, local.nbytes
@@ -166,14 +176,14 @@ class CrossMemory:
         except OSError as exc:
             self._error, ok = str(exc), 0
         flag = self._flag
-        flag[0] = ok
+        flag[0] = size if ok else self.rank  # the minimum names the first rank that failed
         # also the barrier after which no peer touches this rank's arrays any more
         comm.Allreduce(MPI.IN_PLACE, [flag, MPI.INT32_T], MPI.MIN)
-        if not flag[0]:
+        if flag[0] < size:
             mine_error, self._error = self._error, None
-            raise OSError(f"single-copy allreduce failed on "
-                          f"{'this rank: ' + mine_error if mine_error else 'another rank'}; set "
-                          f"HVDDP_CMA=0 to reduce through MPI instead.")
+            where = f"this rank: {mine_error}" if mine_error else f"rank {int(flag[0])} of the process set"
+            raise OSError(f"single-copy allreduce failed on {where}; set HVDDP_CMA=0 to reduce "
+                          f"through MPI instead.")
 
     def _reduce_and_push(self, srcs, dsts, addrs, op: int, scale: float) -> None:
         """Reduce this rank's slice of every array and write it to the peers, a scratch at a time."""
