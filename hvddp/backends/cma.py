@@ -197,47 +197,49 @@ class CrossMemory:
         rank, size = self.rank, self.size
         peers = [p for p in range(size) if p != rank]
         local, remote = self._local_iov, self._remote_iov
-        outs = [d.ctypes.data for d in dsts]
-        pieces = []  # (array index, start, stop), together at most one scratch-full
+        readv, writev, call = self._readv_fn, self._writev_fn, self._call
+        where = addrs.tolist()  # where[peer][i] = [input address, output address]
+        # (array index, byte offset, bytes, output view, input view), at most a scratch-full
+        pieces = []
 
         def flush(used):
             n = len(pieces)
-            for n_peer, peer in enumerate(peers):  # reduce: peers' inputs, through the scratch
-                src_addrs = addrs[peer, :, 0]
-                for j, (i, start, stop) in enumerate(pieces):
-                    remote[j].base = int(src_addrs[i]) + start * item
-                    remote[j].len = (stop - start) * item
-                local[0].base, local[0].len = scratch_base, used * item
-                self._call(self._readv_fn, peer, 1, n, used * item)
-                offset = 0
-                for i, start, stop in pieces:
-                    end = offset + stop - start
-                    out = dsts[i][start:stop]
-                    ufunc(out if n_peer else srcs[i][start:stop], scratch[offset:end], out=out)
-                    offset = end
-            for i, start, stop in pieces:
+            nbytes = used * item
+            for first, peer in enumerate(peers):  # reduce: peers' inputs, through the scratch
+                theirs = where[peer]
+                for j, (i, offset, length, _, _) in enumerate(pieces):
+                    remote[j].base = theirs[i][0] + offset
+                    remote[j].len = length
+                local[0].base, local[0].len = scratch_base, nbytes
+                call(readv, peer, 1, n, nbytes)
+                at = 0
+                for _, _, length, out, src in pieces:
+                    stop = at + length // item
+                    ufunc(out if first else src, scratch[at:stop], out=out)
+                    at = stop
+            for j, (i, offset, length, out, _) in enumerate(pieces):
                 if factor is not None:
-                    out = dsts[i][start:stop]
                     np.multiply(out, factor, out=out)
-            for j, (i, start, stop) in enumerate(pieces):  # push: the same pieces, still in cache
-                local[j].base = outs[i] + start * item
-                local[j].len = (stop - start) * item
-            for peer in peers:
-                dst_addrs = addrs[peer, :, 1]
-                for j, (i, start, stop) in enumerate(pieces):
-                    remote[j].base = int(dst_addrs[i]) + start * item
-                    remote[j].len = local[j].len
-                self._call(self._writev_fn, peer, n, n, used * item)
+                local[j].base = out.ctypes.data
+                local[j].len = length
+            for peer in peers:  # push: the same pieces, still in cache
+                theirs = where[peer]
+                for j, (i, offset, length, _, _) in enumerate(pieces):
+                    remote[j].base = theirs[i][1] + offset
+                    remote[j].len = length
+                call(writev, peer, n, n, nbytes)
 
         used = 0
         for i, d in enumerate(dsts):
             count = d.size
             start, stop = count * rank // size, count * (rank + 1) // size
+            src = srcs[i]
             while start < stop:
                 take = min(stop - start, room - used)
-                pieces.append((i, start, start + take))
+                end = start + take
+                pieces.append((i, start * item, take * item, d[start:end], src[start:end]))
                 used += take
-                start += take
+                start = end
                 if used == room or len(pieces) == _IOV_MAX:
                     flush(used)
                     pieces.clear()
