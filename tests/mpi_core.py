@@ -407,3 +407,22 @@ def test_cross_memory_follows_its_setting():
     hvddp.allreduce(np.ones(1 << 19, dtype=np.float32), name="cma.setting")
     expect = N > 1 and os.environ.get("HVDDP_CMA", "1") != "0"
     assert (_cross_memory_in_use() is not None) == expect
+
+
+def test_aliased_in_place_arrays_reduce_the_original_values():
+    """The same memory twice in one fusion group: every result is the reduction of the inputs
+    as submitted, whichever path (fusion buffer or single copy) reduces the group."""
+    expected = sum(data(r, "float32", (40,)) for r in range(N))
+    a = data(R, "float32", (40,))
+    hvddp.grouped_allreduce_([a, a], op=hvddp.Sum, name="alias.twice")
+    np.testing.assert_array_equal(a, expected)
+
+    buf = data(R, "float32", (40,))
+    hvddp.grouped_allreduce_([buf[0:30], buf[10:40]], op=hvddp.Sum, name="alias.overlap")
+    np.testing.assert_array_equal(buf, expected)
+
+    b = data(R, "float32", (40,))
+    out = hvddp.allreduce_async(b, op=hvddp.Sum, name="alias.copy")
+    inplace = hvddp.allreduce_async_(b, op=hvddp.Sum, name="alias.inplace")
+    np.testing.assert_array_equal(hvddp.synchronize(out), expected)
+    np.testing.assert_array_equal(hvddp.synchronize(inplace), expected)

@@ -16,9 +16,11 @@ def test_core_collectives(np_):
     run_pytest(np_, "tests/mpi_core.py", timeout=300)
 
 
-@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("np_", [2, 3, 4])
 def test_core_collectives_through_cross_memory_for_every_size(np_):
-    """Threshold 0: every allreduce group takes the single-copy path (ops, dtypes, join, sets)."""
+    """Threshold 0: every allreduce group takes the single-copy path (ops, dtypes, join, sets).
+
+    Four ranks: three peers share the scratch array, in regions of an odd size."""
     run_pytest(np_, "tests/mpi_core.py", timeout=300, env={"HVDDP_CMA_THRESHOLD": "0"})
 
 

@@ -91,7 +91,9 @@ class CrossMemory:
         self._writev_fn = libc.process_vm_writev
         self._pids = pids
         self._flag = np.zeros(1, dtype=np.int32)
-        self._scratch = np.empty(SCRATCH_BYTES, dtype=np.uint8)
+        # one region per peer, so that each piece is reduced over every peer before the next
+        self._region_bytes = max(SCRATCH_BYTES // max(self.size - 1, 1) // 64 * 64, 64 << 10)
+        self._scratch = np.empty(self._region_bytes * max(self.size - 1, 1), dtype=np.uint8)
         self._local_iov = (_IoVec * _IOV_MAX)()
         self._remote_iov = (_IoVec * _IOV_MAX)()
         self._error: Optional[str] = None
@@ -168,6 +170,8 @@ class CrossMemory:
         for i in range(k):
             mine[i, 0] = srcs[i].ctypes.data
             mine[i, 1] = dsts[i].ctypes.data
+        if k > 1:
+            srcs = _snapshot_aliased(srcs, dsts, mine)
         addrs = np.empty((size, k, 2), dtype=np.int64)
         comm.Allgather([mine, MPI.INT64_T], [addrs, MPI.INT64_T])
         ok = 1
@@ -191,7 +195,7 @@ class CrossMemory:
         ufunc = (_BOOL_UFUNCS if dtype.kind == "b" else _UFUNCS)[op]
         factor = dtype.type(scale) if scale != 1.0 else None
         item = dtype.itemsize
-        room = max(1, SCRATCH_BYTES // item)
+        room = max(1, self._region_bytes // item)  # elements per peer region
         scratch = self._scratch.view(dtype)
         scratch_base = self._scratch.ctypes.data
         rank, size = self.rank, self.size
@@ -199,27 +203,29 @@ class CrossMemory:
         local, remote = self._local_iov, self._remote_iov
         readv, writev, call = self._readv_fn, self._writev_fn, self._call
         where = addrs.tolist()  # where[peer][i] = [input address, output address]
-        # (array index, byte offset, bytes, output view, input view), at most a scratch-full
+        # (array index, byte offset, bytes, output view, input view), at most a region-full
         pieces = []
 
         def flush(used):
             n = len(pieces)
             nbytes = used * item
-            for first, peer in enumerate(peers):  # reduce: peers' inputs, through the scratch
+            for m, peer in enumerate(peers):  # every peer's inputs, each into its own region
                 theirs = where[peer]
                 for j, (i, offset, length, _, _) in enumerate(pieces):
                     remote[j].base = theirs[i][0] + offset
                     remote[j].len = length
-                local[0].base, local[0].len = scratch_base, nbytes
+                local[0].base, local[0].len = scratch_base + m * room * item, nbytes
                 call(readv, peer, 1, n, nbytes)
-                at = 0
-                for _, _, length, out, src in pieces:
-                    stop = at + length // item
-                    ufunc(out if first else src, scratch[at:stop], out=out)
-                    at = stop
-            for j, (i, offset, length, out, _) in enumerate(pieces):
+            at = 0
+            for _, _, length, out, src in pieces:  # each piece whole before the next one: arrays
+                stop = at + length // item          # sharing memory then get the same values
+                ufunc(src, scratch[at:stop], out=out)
+                for m in range(1, len(peers)):
+                    ufunc(out, scratch[m * room + at:m * room + stop], out=out)
                 if factor is not None:
                     np.multiply(out, factor, out=out)
+                at = stop
+            for j, (i, offset, length, out, _) in enumerate(pieces):
                 local[j].base = out.ctypes.data
                 local[j].len = length
             for peer in peers:  # push: the same pieces, still in cache
@@ -254,6 +260,38 @@ class CrossMemory:
             what = "process_vm_readv from" if fn is self._readv_fn else "process_vm_writev to"
             raise OSError(err, f"{what} rank {peer} (pid {self._pids[peer]}) moved {done} of "
                                f"{expected} bytes: {os.strerror(err) if done < 0 else 'short transfer'}")
+
+
+def _snapshot_aliased(srcs: list, dsts: list, mine: np.ndarray) -> list:
+    """Copy each input that overlaps another array's output; return the inputs to use.
+
+    Slices are written by their owners in no fixed order, so an input that shares memory with
+    another array's output (the same array reduced in place twice in one group, overlapping
+    views) could be read after it was overwritten. A private copy keeps each result the
+    reduction of the original values, as the MPI path's fusion buffer does. ``mine`` (the
+    addresses the peers will read) is updated to match. Local only: which memory the peers read
+    changes, not which calls anyone makes.
+    """
+    k = len(dsts)
+    nbytes = np.fromiter((d.nbytes for d in dsts), dtype=np.int64, count=k)
+    lo = np.concatenate([mine[:, 1], mine[:, 0]])
+    hi = lo + np.concatenate([nbytes, nbytes])
+    distinct = np.concatenate([np.ones(k, dtype=bool), mine[:, 0] != mine[:, 1]]) & (hi > lo)
+    order = np.argsort(lo[distinct], kind="stable")
+    starts, ends = lo[distinct][order], hi[distinct][order]
+    if starts.size < 2 or not (np.maximum.accumulate(ends)[:-1] > starts[1:]).any():
+        return srcs  # no two arrays share memory: the usual case
+    dst_lo, dst_hi = mine[:, 1], mine[:, 1] + nbytes
+    srcs = list(srcs)
+    for i in range(k):
+        if nbytes[i] == 0:
+            continue
+        hit = (dst_lo < mine[i, 0] + nbytes[i]) & (dst_hi > mine[i, 0]) & (nbytes > 0)
+        hit[i] = False
+        if hit.any():
+            srcs[i] = srcs[i].copy()
+            mine[i, 0] = srcs[i].ctypes.data
+    return srcs
 
 
 def _marker(owner: int, reader: int) -> int:
