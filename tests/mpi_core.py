@@ -409,20 +409,23 @@ def test_cross_memory_follows_its_setting():
     assert (_cross_memory_in_use() is not None) == expect
 
 
-def test_aliased_in_place_arrays_reduce_the_original_values():
-    """The same memory twice in one fusion group: every result is the reduction of the inputs
-    as submitted, whichever path (fusion buffer or single copy) reduces the group."""
-    expected = sum(data(r, "float32", (40,)) for r in range(N))
-    a = data(R, "float32", (40,))
-    hvddp.grouped_allreduce_([a, a], op=hvddp.Sum, name="alias.twice")
+@pytest.mark.parametrize("n", [40, 600_000])  # fused, and each array on its own memory
+def test_aliased_in_place_arrays_reduce_the_original_values(n):
+    """Memory shared by allreduces of one cycle, at least one in place: every result is the
+    reduction of the inputs as submitted, whichever path (fusion buffer, MPI on the array's
+    own memory, single copy) reduces them."""
+    expected = sum(data(r, "float32", (n,)) for r in range(N))
+    a = data(R, "float32", (n,))
+    hvddp.grouped_allreduce_([a, a], op=hvddp.Sum, name=f"alias.twice.{n}")
     np.testing.assert_array_equal(a, expected)
 
-    buf = data(R, "float32", (40,))
-    hvddp.grouped_allreduce_([buf[0:30], buf[10:40]], op=hvddp.Sum, name="alias.overlap")
+    buf = data(R, "float32", (n,))
+    third = n // 3
+    hvddp.grouped_allreduce_([buf[:2 * third], buf[third:]], op=hvddp.Sum, name=f"alias.overlap.{n}")
     np.testing.assert_array_equal(buf, expected)
 
-    b = data(R, "float32", (40,))
-    out = hvddp.allreduce_async(b, op=hvddp.Sum, name="alias.copy")
-    inplace = hvddp.allreduce_async_(b, op=hvddp.Sum, name="alias.inplace")
+    b = data(R, "float32", (n,))
+    inplace, out = hvddp.grouped_allreduce_async_([b], op=hvddp.Sum, name=f"alias.inplace.{n}"), None
+    out = hvddp.allreduce_async(b, op=hvddp.Sum, name=f"alias.copy.{n}")
     np.testing.assert_array_equal(hvddp.synchronize(out), expected)
-    np.testing.assert_array_equal(hvddp.synchronize(inplace), expected)
+    np.testing.assert_array_equal(hvddp.synchronize(inplace)[0], expected)

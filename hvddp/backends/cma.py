@@ -170,8 +170,6 @@ class CrossMemory:
         for i in range(k):
             mine[i, 0] = srcs[i].ctypes.data
             mine[i, 1] = dsts[i].ctypes.data
-        if k > 1:
-            srcs = _snapshot_aliased(srcs, dsts, mine)
         addrs = np.empty((size, k, 2), dtype=np.int64)
         comm.Allgather([mine, MPI.INT64_T], [addrs, MPI.INT64_T])
         ok = 1
@@ -260,38 +258,6 @@ class CrossMemory:
             what = "process_vm_readv from" if fn is self._readv_fn else "process_vm_writev to"
             raise OSError(err, f"{what} rank {peer} (pid {self._pids[peer]}) moved {done} of "
                                f"{expected} bytes: {os.strerror(err) if done < 0 else 'short transfer'}")
-
-
-def _snapshot_aliased(srcs: list, dsts: list, mine: np.ndarray) -> list:
-    """Copy each input that overlaps another array's output; return the inputs to use.
-
-    Slices are written by their owners in no fixed order, so an input that shares memory with
-    another array's output (the same array reduced in place twice in one group, overlapping
-    views) could be read after it was overwritten. A private copy keeps each result the
-    reduction of the original values, as the MPI path's fusion buffer does. ``mine`` (the
-    addresses the peers will read) is updated to match. Local only: which memory the peers read
-    changes, not which calls anyone makes.
-    """
-    k = len(dsts)
-    nbytes = np.fromiter((d.nbytes for d in dsts), dtype=np.int64, count=k)
-    lo = np.concatenate([mine[:, 1], mine[:, 0]])
-    hi = lo + np.concatenate([nbytes, nbytes])
-    distinct = np.concatenate([np.ones(k, dtype=bool), mine[:, 0] != mine[:, 1]]) & (hi > lo)
-    order = np.argsort(lo[distinct], kind="stable")
-    starts, ends = lo[distinct][order], hi[distinct][order]
-    if starts.size < 2 or not (np.maximum.accumulate(ends)[:-1] > starts[1:]).any():
-        return srcs  # no two arrays share memory: the usual case
-    dst_lo, dst_hi = mine[:, 1], mine[:, 1] + nbytes
-    srcs = list(srcs)
-    for i in range(k):
-        if nbytes[i] == 0:
-            continue
-        hit = (dst_lo < mine[i, 0] + nbytes[i]) & (dst_hi > mine[i, 0]) & (nbytes > 0)
-        hit[i] = False
-        if hit.any():
-            srcs[i] = srcs[i].copy()
-            mine[i, 0] = srcs[i].ctypes.data
-    return srcs
 
 
 def _marker(owner: int, reader: int) -> int:

@@ -135,6 +135,8 @@ class Executor:
         """
         batches: Dict[tuple, list] = {}
         threshold = self.config.fusion_threshold_bytes
+        inplace = False  # a CPU allreduce of this cycle writes into its input
+        count = 0
         for item in items:
             request = item[0]
             if request.kind is not Kind.ALLREDUCE:
@@ -143,6 +145,10 @@ class Executor:
                 else:
                     self._device_one(*item)
                 continue
+            entry = item[1]
+            if entry is not None and request.device == "cpu":
+                count += 1
+                inplace = inplace or entry.output is entry.input
             _, _, nbytes, key = _meta(request)
             groups = batches.get(key)
             if groups is None:
@@ -154,6 +160,9 @@ class Executor:
                 groups[-1][1].append(item)
             else:
                 groups.append([nbytes, [item]])
+        if inplace and count > 1:
+            _unalias([item[1] for item in items if item[0].kind is Kind.ALLREDUCE
+                      and item[0].device == "cpu" and item[1] is not None])
         for key, groups in batches.items():
             if key[5] == "cpu":
                 cma = self._cross_memory(key[0], sum(g[0] for g in groups))
@@ -385,6 +394,32 @@ def _meta(request: Request) -> tuple:
     wire = wire_dtype(request.dtype)
     key = (request.ps_id, request.op, request.prescale, request.postscale, wire, request.device)
     return numel, wire, numel * _ITEMSIZE[wire], key
+
+
+def _unalias(entries: list) -> None:
+    """Give a private copy to every input that another entry's in-place result would overwrite.
+
+    Batches run one after another and the single-copy path writes slices in no fixed order, so
+    an input sharing memory with another in-place allreduce of the same cycle (one array
+    reduced in place twice, overlapping views, the same array in and out of place) could be
+    read after it changed. With the copy every result reduces the values as submitted. Local
+    only: what each rank reads changes, not which calls it makes.
+    """
+    k = len(entries)
+    start = np.fromiter((e.input.ctypes.data for e in entries), dtype=np.int64, count=k)
+    end = start + np.fromiter((e.input.nbytes for e in entries), dtype=np.int64, count=k)
+    order = np.argsort(start, kind="stable")
+    if not (np.maximum.accumulate(end[order])[:-1] > start[order][1:]).any():
+        return  # no two inputs share memory: the usual case
+    written = np.fromiter((e.output is e.input for e in entries), dtype=bool, count=k)
+    written &= end > start
+    for i, entry in enumerate(entries):
+        if end[i] == start[i]:
+            continue
+        hit = written & (start < end[i]) & (end > start[i])
+        hit[i] = False
+        if hit.any():
+            entry.input = entry.input.copy()  # the output stays where the caller wants it
 
 
 def _post_factor(request: Request, size: int) -> float:
