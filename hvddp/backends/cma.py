@@ -175,8 +175,9 @@ class CrossMemory:
         ok = 1
         try:
             self._reduce_and_push(srcs, dsts, addrs, op, scale)
-        except OSError as exc:
-            self._error, ok = str(exc), 0
+        except Exception as exc:  # whatever it was, the peers must still hear of it
+            ok = 0
+            self._error = str(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
         flag = self._flag
         flag[0] = size if ok else self.rank  # the minimum names the first rank that failed
         # also the barrier after which no peer touches this rank's arrays any more
