@@ -419,10 +419,16 @@ def test_aliased_in_place_arrays_reduce_the_original_values(n):
     hvddp.grouped_allreduce_([a, a], op=hvddp.Sum, name=f"alias.twice.{n}")
     np.testing.assert_array_equal(a, expected)
 
-    buf = data(R, "float32", (n,))
     third = n // 3
-    hvddp.grouped_allreduce_([buf[:2 * third], buf[third:]], op=hvddp.Sum, name=f"alias.overlap.{n}")
-    np.testing.assert_array_equal(buf, expected)
+    for dtype in ("float32", "int32"):
+        buf = data(R, dtype, (n,))
+        hvddp.grouped_allreduce_([buf[:2 * third], buf[third:]], op=hvddp.Sum,
+                                 name=f"alias.overlap.{dtype}.{n}")
+        np.testing.assert_array_equal(buf, sum(data(r, dtype, (n,)) for r in range(N)))
+        buf = data(R, dtype, (n,))  # Average: scaled once, also where the views overlap
+        hvddp.grouped_allreduce_([buf[:2 * third], buf[third:]], op=hvddp.Average,
+                                 name=f"alias.overlap.avg.{dtype}.{n}")
+        np.testing.assert_allclose(buf, reference(hvddp.Average, dtype, (n,)), rtol=1e-6)
 
     b = data(R, "float32", (n,))
     inplace, out = hvddp.grouped_allreduce_async_([b], op=hvddp.Sum, name=f"alias.inplace.{n}"), None

@@ -160,9 +160,11 @@ class CrossMemory:
     def allreduce_many(self, srcs: list, dsts: list, op: int, scale: float = 1.0) -> None:
         """``dsts[i] = reduce(srcs[i] of every rank) * scale`` for flat contiguous arrays.
 
-        ``srcs[i]`` may be ``dsts[i]`` (in place); all arrays share one dtype; ``scale`` must be
-        1.0 unless it is floating point. The arrays need not be adjacent: this is fusion without
-        a fusion buffer. Collective: every rank passes the same sizes in the same order.
+        ``srcs[i]`` may be ``dsts[i]`` (in place); all arrays share one dtype; integer results
+        are scaled in float64 and truncated toward zero. The arrays need not be adjacent: this
+        is fusion without a fusion buffer. Outputs may share memory (the same array twice in a
+        group) as long as no input does: the slices' owners then all write final values there.
+        Collective: every rank passes the same sizes in the same order.
         """
         comm, size = self.comm, self.size
         k = len(dsts)
@@ -170,11 +172,12 @@ class CrossMemory:
         for i in range(k):
             mine[i, 0] = srcs[i].ctypes.data
             mine[i, 1] = dsts[i].ctypes.data
+        shared = k > 1 and _overlap(mine[:, 1], dsts)
         addrs = np.empty((size, k, 2), dtype=np.int64)
         comm.Allgather([mine, MPI.INT64_T], [addrs, MPI.INT64_T])
         ok = 1
         try:
-            self._reduce_and_push(srcs, dsts, addrs, op, scale)
+            self._reduce_and_push(srcs, dsts, addrs, op, scale, shared)
         except Exception as exc:  # whatever it was, the peers must still hear of it
             ok = 0
             self._error = str(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
@@ -188,11 +191,16 @@ class CrossMemory:
             raise OSError(f"single-copy allreduce failed on {where}; set HVDDP_CMA=0 to reduce "
                           f"through MPI instead.")
 
-    def _reduce_and_push(self, srcs, dsts, addrs, op: int, scale: float) -> None:
-        """Reduce this rank's slice of every array and write it to the peers, a scratch at a time."""
+    def _reduce_and_push(self, srcs, dsts, addrs, op: int, scale: float, shared: bool) -> None:
+        """Reduce this rank's slice of every array and write it to the peers, a scratch at a time.
+
+        ``shared``: some outputs overlap, so another rank may write final values into an output
+        piece at any time; the piece is then reduced in the scratch and written once.
+        """
         dtype = dsts[0].dtype
         ufunc = (_BOOL_UFUNCS if dtype.kind == "b" else _UFUNCS)[op]
-        factor = dtype.type(scale) if scale != 1.0 else None
+        factor = dtype.type(scale) if scale != 1.0 and dtype.kind == "f" else None
+        truncate = scale if scale != 1.0 and dtype.kind != "f" else None
         item = dtype.itemsize
         room = max(1, self._region_bytes // item)  # elements per peer region
         scratch = self._scratch.view(dtype)
@@ -216,13 +224,18 @@ class CrossMemory:
                 local[0].base, local[0].len = scratch_base + m * room * item, nbytes
                 call(readv, peer, 1, n, nbytes)
             at = 0
-            for _, _, length, out, src in pieces:  # each piece whole before the next one: arrays
-                stop = at + length // item          # sharing memory then get the same values
-                ufunc(src, scratch[at:stop], out=out)
+            for _, _, length, out, src in pieces:  # each piece over every peer, then the next
+                stop = at + length // item
+                acc = scratch[at:stop] if shared else out
+                ufunc(src, scratch[at:stop], out=acc)
                 for m in range(1, len(peers)):
-                    ufunc(out, scratch[m * room + at:m * room + stop], out=out)
+                    ufunc(acc, scratch[m * room + at:m * room + stop], out=acc)
                 if factor is not None:
-                    np.multiply(out, factor, out=out)
+                    np.multiply(acc, factor, out=acc)
+                elif truncate is not None:
+                    np.copyto(acc, np.trunc(acc * truncate), casting="unsafe")
+                if shared:
+                    np.copyto(out, acc)
                 at = stop
             for j, (i, offset, length, out, _) in enumerate(pieces):
                 local[j].base = out.ctypes.data
@@ -259,6 +272,16 @@ class CrossMemory:
             what = "process_vm_readv from" if fn is self._readv_fn else "process_vm_writev to"
             raise OSError(err, f"{what} rank {peer} (pid {self._pids[peer]}) moved {done} of "
                                f"{expected} bytes: {os.strerror(err) if done < 0 else 'short transfer'}")
+
+
+def _overlap(addresses: np.ndarray, arrays: list) -> bool:
+    """Whether any two of ``arrays`` (starting at ``addresses``) share memory."""
+    ends = addresses + np.fromiter((a.nbytes for a in arrays), dtype=np.int64, count=len(arrays))
+    order = np.argsort(addresses, kind="stable")
+    starts, ends = addresses[order], ends[order]
+    nonempty = ends > starts
+    starts, ends = starts[nonempty], ends[nonempty]
+    return starts.size > 1 and bool((np.maximum.accumulate(ends)[:-1] > starts[1:]).any())
 
 
 def _marker(owner: int, reader: int) -> int:

@@ -345,9 +345,8 @@ class Executor:
     def _allreduce_many(self, cma, group: list) -> None:
         """Reduce a fusion key's whole group on its own memory through cross-memory attach.
 
-        No fusion buffer: the peers read each array's slices where they are, Average's 1/size
-        (and any float postscale) is applied by each slice's owner, and out-of-place results
-        cost no more than in-place ones.
+        No fusion buffer: the peers read each array's slices where they are, and Average's
+        1/size (and any postscale) is applied by each slice's owner while the slice is in cache.
         """
         request0 = group[0][0]
         ps = self.process_sets[request0.ps_id]
@@ -363,13 +362,9 @@ class Executor:
                     src = dst
                 srcs.append(src)
                 dsts.append(dst)
-            folded = post if dsts[0].dtype.kind == "f" else 1.0
             if names:
                 self.timeline.activities(names, "CMA_ALLREDUCE")
-            cma.allreduce_many(srcs, dsts, request0.op, folded)
-            if post != folded:  # integers: scaled and truncated afterwards
-                for dst in dsts:
-                    _scaled_copy(dst, dst, post)
+            cma.allreduce_many(srcs, dsts, request0.op, post)
         except Exception as exc:
             error = HvddpError(f"allreduce of {[item[0].name for item in group]} failed: {exc}")
             for _, entry, _ in group:
