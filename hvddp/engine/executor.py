@@ -357,9 +357,10 @@ class Executor:
             srcs, dsts = [], []
             for request, entry, _ in group:
                 src, dst = _buffers(request, entry, self.pool)
-                if pre != 1.0:
-                    _scaled_copy(dst, src, pre)
-                    src = dst
+                if pre != 1.0:  # into a private array: an output may be shared (see _unalias)
+                    scaled = src if src is dst else np.empty_like(src)
+                    _scaled_copy(scaled, src, pre)
+                    src = scaled
                 srcs.append(src)
                 dsts.append(dst)
             if names:
