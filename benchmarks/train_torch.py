@@ -15,7 +15,7 @@ file with ``--mode``.
 
 glibc's malloc serves the 4 MiB gradients with fresh ``mmap`` pages whenever its dynamic mmap
 threshold happens to sit below 4 MiB, and ``zero_grad()`` (which frees them) then makes every step
-page-fault ~80 MB in again: one process measured 150-155 ms/step in that mode and 127-129 ms/step
+page-fault ~80 MB in again: one process measured 150-156 ms/step in that mode and 126-129 ms/step
 out of it, on the same machine, depending on what was allocated before. The driver therefore
 fixes the threshold for all three runs (``MALLOC_MMAP_THRESHOLD_=32 MiB``,
 ``MALLOC_TRIM_THRESHOLD_=1 GiB``; PyTorch's CPU performance guide suggests jemalloc or tcmalloc

@@ -30,6 +30,7 @@ from typing import Optional
 import numpy as np
 from mpi4py import MPI
 
+from ..engine.executor import shares_memory
 from ..engine.messages import ReduceOp
 
 SCRATCH_BYTES = 256 << 10  # fits in L2 next to the slice being reduced
@@ -170,9 +171,9 @@ class CrossMemory:
         k = len(dsts)
         mine = np.empty((k, 2), dtype=np.int64)
         for i in range(k):
-            mine[i, 0] = srcs[i].ctypes.data
-            mine[i, 1] = dsts[i].ctypes.data
-        shared = k > 1 and _overlap(mine[:, 1], dsts)
+            mine[i, 0] = address = srcs[i].ctypes.data
+            mine[i, 1] = address if dsts[i] is srcs[i] else dsts[i].ctypes.data
+        shared = k > 1 and shares_memory(mine[:, 1], dsts)
         addrs = np.empty((size, k, 2), dtype=np.int64)
         comm.Allgather([mine, MPI.INT64_T], [addrs, MPI.INT64_T])
         ok = 1
@@ -272,16 +273,6 @@ class CrossMemory:
             what = "process_vm_readv from" if fn is self._readv_fn else "process_vm_writev to"
             raise OSError(err, f"{what} rank {peer} (pid {self._pids[peer]}) moved {done} of "
                                f"{expected} bytes: {os.strerror(err) if done < 0 else 'short transfer'}")
-
-
-def _overlap(addresses: np.ndarray, arrays: list) -> bool:
-    """Whether any two of ``arrays`` (starting at ``addresses``) share memory."""
-    ends = addresses + np.fromiter((a.nbytes for a in arrays), dtype=np.int64, count=len(arrays))
-    order = np.argsort(addresses, kind="stable")
-    starts, ends = addresses[order], ends[order]
-    nonempty = ends > starts
-    starts, ends = starts[nonempty], ends[nonempty]
-    return starts.size > 1 and bool((np.maximum.accumulate(ends)[:-1] > starts[1:]).any())
 
 
 def _marker(owner: int, reader: int) -> int:

@@ -135,8 +135,8 @@ class Executor:
         """
         batches: Dict[tuple, list] = {}
         threshold = self.config.fusion_threshold_bytes
-        inplace = False  # a CPU allreduce of this cycle writes into its input
-        count = 0
+        cpu_entries = []  # this rank's CPU allreduces, checked for shared memory below
+        inplace = False  # one of them writes into its input
         for item in items:
             request = item[0]
             if request.kind is not Kind.ALLREDUCE:
@@ -147,7 +147,7 @@ class Executor:
                 continue
             entry = item[1]
             if entry is not None and request.device == "cpu":
-                count += 1
+                cpu_entries.append(entry)
                 inplace = inplace or entry.output is entry.input
             _, _, nbytes, key = _meta(request)
             groups = batches.get(key)
@@ -160,9 +160,8 @@ class Executor:
                 groups[-1][1].append(item)
             else:
                 groups.append([nbytes, [item]])
-        if inplace and count > 1:
-            _unalias([item[1] for item in items if item[0].kind is Kind.ALLREDUCE
-                      and item[0].device == "cpu" and item[1] is not None])
+        if inplace and len(cpu_entries) > 1:
+            _unalias(cpu_entries)
         for key, groups in batches.items():
             if key[5] == "cpu":
                 cma = self._cross_memory(key[0], sum(g[0] for g in groups))
@@ -330,17 +329,11 @@ class Executor:
                         entry.output = self.pool.empty(request.shape, _dtype(request.dtype))
                     _scaled_copy(entry.output.reshape(-1), view, post)
         except Exception as exc:
-            error = HvddpError(f"allreduce of {[item[0].name for item in batch]} failed: {exc}")
-            for _, entry, _ in batch:
-                if entry is not None:
-                    entry.fail(error)
+            _fail(batch, exc)
             return
         if tl:
             tl.end([item[0].name for item in batch])
-        for request, entry, _ in batch:
-            if entry is not None:
-                entry.complete(entry.output)
-
+        _complete(batch)
 
     def _allreduce_many(self, cma, group: list) -> None:
         """Reduce a fusion key's whole group on its own memory through cross-memory attach.
@@ -367,16 +360,11 @@ class Executor:
                 self.timeline.activities(names, "CMA_ALLREDUCE")
             cma.allreduce_many(srcs, dsts, request0.op, post)
         except Exception as exc:
-            error = HvddpError(f"allreduce of {[item[0].name for item in group]} failed: {exc}")
-            for _, entry, _ in group:
-                if entry is not None:
-                    entry.fail(error)
+            _fail(group, exc)
             return
         if names:
             self.timeline.end(names)
-        for _, entry, _ in group:
-            if entry is not None:
-                entry.complete(entry.output)
+        _complete(group)
 
 
 _ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "float16": 2,
@@ -402,11 +390,11 @@ def _unalias(entries: list) -> None:
     only: what each rank reads changes, not which calls it makes.
     """
     k = len(entries)
-    start = np.fromiter((e.input.ctypes.data for e in entries), dtype=np.int64, count=k)
-    end = start + np.fromiter((e.input.nbytes for e in entries), dtype=np.int64, count=k)
-    order = np.argsort(start, kind="stable")
-    if not (np.maximum.accumulate(end[order])[:-1] > start[order][1:]).any():
-        return  # no two inputs share memory: the usual case
+    inputs = [e.input for e in entries]
+    start = np.fromiter((a.ctypes.data for a in inputs), dtype=np.int64, count=k)
+    if not shares_memory(start, inputs):
+        return  # the usual case
+    end = start + np.fromiter((a.nbytes for a in inputs), dtype=np.int64, count=k)
     written = np.fromiter((e.output is e.input for e in entries), dtype=bool, count=k)
     written &= end > start
     for i, entry in enumerate(entries):
@@ -416,6 +404,29 @@ def _unalias(entries: list) -> None:
         hit[i] = False
         if hit.any():
             entry.input = entry.input.copy()  # the output stays where the caller wants it
+
+
+def shares_memory(starts: np.ndarray, arrays: list) -> bool:
+    """Whether any two of ``arrays`` (beginning at addresses ``starts``) overlap; one sort."""
+    ends = starts + np.fromiter((a.nbytes for a in arrays), dtype=np.int64, count=len(arrays))
+    keep = ends > starts
+    order = np.argsort(starts[keep], kind="stable")
+    starts, ends = starts[keep][order], ends[keep][order]
+    return starts.size > 1 and bool((np.maximum.accumulate(ends)[:-1] > starts[1:]).any())
+
+
+def _fail(batch: list, exc: Exception) -> None:
+    """Fail every local entry of a batch of allreduces with one error naming them all."""
+    error = HvddpError(f"allreduce of {[item[0].name for item in batch]} failed: {exc}")
+    for _, entry, _ in batch:
+        if entry is not None:
+            entry.fail(error)
+
+
+def _complete(batch: list) -> None:
+    for _, entry, _ in batch:
+        if entry is not None:
+            entry.complete(entry.output)
 
 
 def _post_factor(request: Request, size: int) -> float:
