@@ -30,7 +30,7 @@ from typing import Optional
 import numpy as np
 from mpi4py import MPI
 
-from ..engine.executor import shares_memory
+from ..engine.executor import address, shares_memory
 from ..engine.messages import ReduceOp
 
 SCRATCH_BYTES = 256 << 10  # fits in L2 next to the slice being reduced
@@ -169,10 +169,9 @@ class CrossMemory:
         """
         comm, size = self.comm, self.size
         k = len(dsts)
-        mine = np.empty((k, 2), dtype=np.int64)
-        for i in range(k):
-            mine[i, 0] = address = srcs[i].ctypes.data
-            mine[i, 1] = address if dsts[i] is srcs[i] else dsts[i].ctypes.data
+        ins = list(map(address, srcs))
+        outs = [a if d is s else address(d) for a, s, d in zip(ins, srcs, dsts)]
+        mine = np.array([ins, outs], dtype=np.int64).T.copy()
         shared = k > 1 and shares_memory(mine[:, 1], dsts)
         addrs = np.empty((size, k, 2), dtype=np.int64)
         comm.Allgather([mine, MPI.INT64_T], [addrs, MPI.INT64_T])
@@ -211,6 +210,7 @@ class CrossMemory:
         local, remote = self._local_iov, self._remote_iov
         readv, writev, call = self._readv_fn, self._writev_fn, self._call
         where = addrs.tolist()  # where[peer][i] = [input address, output address]
+        mine = where[rank]
         # (array index, byte offset, bytes, output view, input view), at most a region-full
         pieces = []
 
@@ -238,8 +238,8 @@ class CrossMemory:
                 if shared:
                     np.copyto(out, acc)
                 at = stop
-            for j, (i, offset, length, out, _) in enumerate(pieces):
-                local[j].base = out.ctypes.data
+            for j, (i, offset, length, _, _) in enumerate(pieces):
+                local[j].base = mine[i][1] + offset
                 local[j].len = length
             for peer in peers:  # push: the same pieces, still in cache
                 theirs = where[peer]

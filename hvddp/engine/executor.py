@@ -10,6 +10,7 @@ unpack, which costs twice the bytes on the wire and sums more accurately than ha
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 from typing import Dict, Optional, Sequence, Tuple
@@ -391,7 +392,7 @@ def _unalias(entries: list) -> None:
     """
     k = len(entries)
     inputs = [e.input for e in entries]
-    start = np.fromiter((a.ctypes.data for a in inputs), dtype=np.int64, count=k)
+    start = np.fromiter(map(address, inputs), dtype=np.int64, count=k)
     if not shares_memory(start, inputs):
         return  # the usual case
     end = start + np.fromiter((a.nbytes for a in inputs), dtype=np.int64, count=k)
@@ -404,6 +405,17 @@ def _unalias(entries: list) -> None:
         hit[i] = False
         if hit.any():
             entry.input = entry.input.copy()  # the output stays where the caller wants it
+
+
+_addressof, _char = ctypes.addressof, ctypes.c_char
+
+
+def address(a: np.ndarray) -> int:
+    """The address of a contiguous array's first byte: ``a.ctypes.data``, three times faster."""
+    try:
+        return _addressof(_char.from_buffer(a))
+    except (TypeError, ValueError, BufferError):  # read-only or empty
+        return a.ctypes.data
 
 
 def shares_memory(starts: np.ndarray, arrays: list) -> bool:

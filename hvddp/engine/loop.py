@@ -109,6 +109,7 @@ class Engine:
                 self._queue.append(entry)
                 if self._sleeping:
                     self._cv.notify()
+                    self._sleeping = False  # woken: the submissions behind this one need not
                 return
         self.submit([entry])
 
