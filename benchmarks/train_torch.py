@@ -13,6 +13,10 @@ thread of the process (hvddp's engine, gloo's workers). With one core per rank t
 communication that runs on the same core is not hidden by overlap. The workers are this same
 file with ``--mode``.
 
+After the table, a floor: how long plain numpy takes for the memory traffic one rank's share of
+the reduction cannot avoid, measured in the single-process run on fresh gradients, and the ratio
+to one process that even a reduction at that floor could reach with one core per rank.
+
 glibc's malloc serves the 4 MiB gradients with fresh ``mmap`` pages whenever its dynamic mmap
 threshold happens to sit below 4 MiB, and ``zero_grad()`` (which frees them) then makes every step
 page-fault ~80 MB in again: one process measured 150-156 ms/step in that mode and 126-129 ms/step
@@ -74,6 +78,38 @@ def _loop(model, optimizer, steps: int, warmup: int, sync) -> tuple:
     return wall / steps, main / steps, (time.process_time() - process - main) / steps
 
 
+def _floor(model, optimizer, reps: int = 7) -> float:
+    """Median s per step that plain numpy, in this one process, needs for the memory traffic one
+    rank of a 2-rank reduction cannot avoid: read its half of every fresh gradient and a peer's
+    copy of that half (separate memory standing in for the other rank's gradients), write the
+    sum into both. No MPI, no system calls, no synchronization, no 1/size scaling: what reducing
+    the gradients would cost a one-core rank if it could address the peer's memory directly.
+    """
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(BATCH, WIDTH, generator=g)
+    y = torch.randint(0, 10, (BATCH,), generator=g)
+    params = [p for p in model.parameters() if p.requires_grad]
+    peer = [np.ones(p.numel() // 2, dtype=np.float32) for p in params]
+    piece = (128 << 10) // 4  # cache-sized pieces: the copy reads what the add just wrote
+    times = []
+    for _ in range(reps):
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()  # fresh gradients, caches as a step leaves them
+        start = time.perf_counter()
+        for p, theirs in zip(params, peer):
+            mine = p.grad.view(-1).numpy()[:theirs.size]
+            for s in range(0, theirs.size, piece):
+                a, b = mine[s:s + piece], theirs[s:s + piece]
+                np.add(a, b, out=a)
+                np.copyto(b, a)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
 def worker(mode: str, steps: int, warmup: int) -> None:
     rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
     core = _pin(rank)
@@ -85,6 +121,7 @@ def worker(mode: str, steps: int, warmup: int) -> None:
     if mode == "single":
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         seconds, main, other = _loop(model, optimizer, steps, warmup, lambda: None)
+        floor = _floor(model, optimizer)
         ranks = 1
     elif mode == "hvddp":
         import hvddp.torch as hvd
@@ -113,9 +150,11 @@ def worker(mode: str, steps: int, warmup: int) -> None:
     else:
         raise ValueError(f"--mode must be single, hvddp or ddp, got {mode!r}.")
     if rank == 0:
-        print("RESULT " + json.dumps({"mode": mode, "ranks": ranks, "ms_per_step": seconds * 1e3,
-                                      "main_cpu_ms": main * 1e3, "other_cpu_ms": other * 1e3,
-                                      "core": core}), flush=True)
+        result = {"mode": mode, "ranks": ranks, "ms_per_step": seconds * 1e3, "main_cpu_ms": main * 1e3,
+                  "other_cpu_ms": other * 1e3, "core": core}
+        if mode == "single":
+            result["floor_ms"] = floor * 1e3
+        print("RESULT " + json.dumps(result), flush=True)
 
 
 def _free_port() -> int:
@@ -158,9 +197,12 @@ def main() -> None:
         worker(args.mode, args.steps, args.warmup)
         return
     best = {}
+    rounds = []  # the single-process runs, for their floor
     for _ in range(args.repeats):
         for mode in ("single", "hvddp", "ddp"):
             result = _run(mode, args)
+            if mode == "single":
+                rounds.append(result)
             if mode not in best or result["ms_per_step"] < best[mode]["ms_per_step"]:
                 best[mode] = result
     single = best["single"]["ms_per_step"]
@@ -178,6 +220,13 @@ def main() -> None:
         vs_ddp = throughput / (best["ddp"]["ranks"] * BATCH / (ddp / 1e3))
         print(f"| {label} | {r['ranks']} | {r['ms_per_step']:.1f} | {throughput:.0f} | "
               f"{vs_single:.2f}x | {vs_ddp:.2f}x | {r['main_cpu_ms']:.1f} + {max(r['other_cpu_ms'], 0.0):.1f} |")
+    floor = min(r["floor_ms"] for r in rounds)
+    engine = best["hvddp"]["other_cpu_ms"]
+    print(f"\nfloor: one rank's share of the gradient traffic at np=2 (read its half of every gradient "
+          f"and a peer's, write the sum to both) takes plain numpy {floor:.1f} ms/step in one process. "
+          f"With one core per rank, a step costs one process's {single:.1f} ms plus its reduction, so "
+          f"even at the floor np=2 reaches at most {2 * single / (single + floor):.2f}x one process; "
+          f"hvddp's engine used {engine:.1f} ms/step of CPU, {engine / floor:.1f}x the floor.")
 
 
 if __name__ == "__main__":
