@@ -368,7 +368,8 @@ def _cross_memory_in_use():
 
 
 def test_large_and_grouped_allreduces_exact_on_every_path():
-    """Arrays past the single-copy threshold (256 KiB by default), alone and in a fusion group.
+    """Arrays past the single-copy threshold (256 KiB by default), alone and in a fusion group,
+    some of them read-only.
 
     With cross-memory attach the group is reduced on its own memory and Average's 1/size is
     applied by each slice's owner; results must equal the exact reference, inputs untouched,
@@ -377,6 +378,8 @@ def test_large_and_grouped_allreduces_exact_on_every_path():
     sizes = [0, 1, 5, 300_000, 17, 2_000_003]
     arrays = [(np.arange(n, dtype=np.float32) % 97 + R) for n in sizes]
     before = [a.copy() for a in arrays]
+    for a in arrays[1::2]:
+        a.setflags(write=False)  # out of place, an input may be read-only
     for op in (hvddp.Sum, hvddp.Average, hvddp.Max):
         outs = [hvddp.allreduce_async(a, op=op, name=f"big.{op!r}.{i}") for i, a in enumerate(arrays)]
         outs = [hvddp.synchronize(h) for h in outs]
