@@ -6,8 +6,10 @@ The model is 20 x [Linear(1024, 1024) + LayerNorm + ReLU] + Linear(1024, 10) (21
 82 tensors), batch 64 per rank, SGD with momentum, cross-entropy on random data. Every rank runs
 one compute thread and is pinned to its own core (``os.sched_setaffinity``, set before torch is
 imported so every thread of the rank, hvddp's engine and gloo's included, stays on that core).
-The driver runs the three configurations one after the other (``--repeats`` rounds, best round
-kept for each), then prints ms/step (the slowest rank's mean over the timed steps), global
+The driver runs four configurations one after the other (``--repeats`` rounds, best round kept
+for each): one process, hvddp with its defaults (pinned to one core, a rank's DistributedOptimizer
+submits every gradient at ``step()``), hvddp with ``HVDDP_OVERLAP=1`` (each gradient during
+backward, as with more cores), and DDP; then it prints ms/step (the slowest rank's mean over the timed steps), global
 samples/s, the ratios, and where each rank's CPU time went: the training thread, and every other
 thread of the process (hvddp's engine, gloo's workers). With one core per rank the two add up:
 communication that runs on the same core is not hidden by overlap. The workers are this same
@@ -21,7 +23,7 @@ glibc's malloc serves the 4 MiB gradients with fresh ``mmap`` pages whenever its
 threshold happens to sit below 4 MiB, and ``zero_grad()`` (which frees them) then makes every step
 page-fault ~80 MB in again: one process measured 150-156 ms/step in that mode and 126-129 ms/step
 out of it, on the same machine, depending on what was allocated before. The driver therefore
-fixes the threshold for all three runs (``MALLOC_MMAP_THRESHOLD_=32 MiB``,
+fixes the threshold for every run (``MALLOC_MMAP_THRESHOLD_=32 MiB``,
 ``MALLOC_TRIM_THRESHOLD_=1 GiB``; PyTorch's CPU performance guide suggests jemalloc or tcmalloc
 for the same reason); ``--default-malloc`` leaves glibc's defaults.
 """
@@ -163,11 +165,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(mode: str, args) -> dict:
+# (configuration, worker mode, environment): the hvddp runs differ only in HVDDP_OVERLAP
+CONFIGS = (("single", "single", {}), ("hvddp", "hvddp", {}),
+           ("hvddp-overlap", "hvddp", {"HVDDP_OVERLAP": "1"}), ("ddp", "ddp", {}))
+
+
+def _run(mode: str, args, extra_env: dict) -> dict:
     py = sys.executable
     mpiexec = os.path.join(os.path.dirname(py), "mpiexec")
     worker_args = [HERE, "--mode", mode, "--steps", str(args.steps), "--warmup", str(args.warmup)]
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    for prefix in ("HVDDP_", "HOROVOD_"):
+        env.pop(prefix + "OVERLAP", None)
+    env.update(extra_env)
     if not args.default_malloc:
         env.update(MALLOC_MMAP_THRESHOLD_=str(32 << 20), MALLOC_TRIM_THRESHOLD_=str(1 << 30))
     if mode == "single":
@@ -188,7 +198,7 @@ def main() -> None:
     parser.add_argument("--mode", choices=["single", "hvddp", "ddp"], help="(worker) one configuration")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=2, help="rounds of the three runs; best kept")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds of the four runs; best kept")
     parser.add_argument("--np", type=int, default=2)
     parser.add_argument("--default-malloc", action="store_true",
                         help="keep glibc's dynamic mmap threshold (runs may then be bimodal)")
@@ -199,12 +209,12 @@ def main() -> None:
     best = {}
     rounds = []  # the single-process runs, for their floor
     for _ in range(args.repeats):
-        for mode in ("single", "hvddp", "ddp"):
-            result = _run(mode, args)
-            if mode == "single":
+        for config, mode, extra_env in CONFIGS:
+            result = _run(mode, args, extra_env)
+            if config == "single":
                 rounds.append(result)
-            if mode not in best or result["ms_per_step"] < best[mode]["ms_per_step"]:
-                best[mode] = result
+            if config not in best or result["ms_per_step"] < best[config]["ms_per_step"]:
+                best[config] = result
     single = best["single"]["ms_per_step"]
     ddp = best["ddp"]["ms_per_step"]
     print(f"model: {DEPTH} x [Linear({WIDTH},{WIDTH}) + LayerNorm + ReLU] + Linear({WIDTH},10), "
@@ -213,7 +223,8 @@ def main() -> None:
     print("| run | ranks | ms/step | samples/s | vs one process | vs DDP | CPU ms/step: training thread "
           "+ other threads (slowest rank) |")
     print("|---|---|---|---|---|---|---|")
-    for mode, label in (("single", "one process"), ("ddp", "torch DDP (gloo)"), ("hvddp", "hvddp")):
+    for mode, label in (("single", "one process"), ("ddp", "torch DDP (gloo)"), ("hvddp", "hvddp"),
+                        ("hvddp-overlap", "hvddp, HVDDP_OVERLAP=1")):
         r = best[mode]
         throughput = r["ranks"] * BATCH / (r["ms_per_step"] / 1e3)
         vs_single = throughput / (BATCH / (single / 1e3))

@@ -34,6 +34,7 @@ class Config:
     gpu_operations: str = "NCCL"
     cma: bool = True
     cma_threshold_bytes: int = 256 << 10
+    overlap: Optional[bool] = None  # None: auto (see adapters/torch/optimizer.py)
 
 
 def _int(minimum: int) -> Callable[[str], int]:
@@ -70,6 +71,13 @@ def _bool(text: str) -> bool:
 _bool.expected = "one of 1/0/true/false/yes/no/on/off"  # type: ignore[attr-defined]
 
 
+def _auto_bool(text: str) -> Optional[bool]:
+    return None if text.strip().lower() in ("auto", "") else _bool(text)
+
+
+_auto_bool.expected = "auto, or one of 1/0/true/false/yes/no/on/off"  # type: ignore[attr-defined]
+
+
 def _choice(*choices: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         value = text.strip().upper()
@@ -102,6 +110,7 @@ VARIABLES: Mapping[str, tuple] = {
     "GPU_OPERATIONS": ("gpu_operations", _choice("NCCL", "MPI")),
     "CMA": ("cma", _bool),
     "CMA_THRESHOLD": ("cma_threshold_bytes", _int(0)),
+    "OVERLAP": ("overlap", _auto_bool),
 }
 
 

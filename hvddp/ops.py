@@ -213,12 +213,13 @@ def _allreduce_one(tensor: Any, name: Optional[str], process_set: ProcessSet, in
         return None
     view = state.process_sets.get(process_set.process_set_id)
     dtype_name = _DTYPE_NAMES.get(tensor.dtype)
+    flags = tensor.flags
     if view is None or view.rank < 0 or dtype_name is None or dtype_name == "bool" or \
-            not tensor.flags.c_contiguous or (inplace and not tensor.flags.writeable):
+            not flags.c_contiguous or (inplace and not flags.writeable):
         return None
     if name is None:  # only now: a counter consumed here must not be consumed again
         name = _auto_name("allreduce")
-    handle = Handle(name, keep=tensor)
+    handle = Handle(name, 1, tensor)
     request = Request(Kind.ALLREDUCE, process_set.process_set_id, name, dtype_name, tensor.shape, op)
     state.engine.submit_one(Entry(request, tensor, tensor if inplace else None, handle, 0, _monotonic()))
     return handle

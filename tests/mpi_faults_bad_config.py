@@ -26,6 +26,7 @@ BAD_VALUES = {
     "GPU_OPERATIONS": ["GLOO"],
     "CMA": ["auto"],
     "CMA_THRESHOLD": ["1MB", "-2"],
+    "OVERLAP": ["sometimes", "2"],
 }
 # Checked separately (see test_bad_input.py): a value that parses but cannot be used.
 USED_AT_INIT = {"TIMELINE": "/proc/nonexistent-hvddp/timeline.json"}

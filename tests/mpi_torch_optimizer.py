@@ -414,3 +414,50 @@ def test_step_hooks_run_once_also_after_load_state_dict():
     F.mse_loss(model(shard(x)), shard(y)).backward()
     opt.step()
     assert calls == ["pre"]
+
+
+def test_one_core_defers_every_cpu_gradient_to_synchronize():
+    """A rank that may use one CPU core only (or HVDDP_OVERLAP=0) submits nothing during backward;
+    step() submits every gradient at once, with the same results. With more cores (and the
+    setting unset) the hooks submit during backward."""
+    import os
+
+    setting = os.environ.get("HVDDP_OVERLAP", "auto")
+    cores = os.sched_getaffinity(0)
+
+    def make():
+        torch.manual_seed(0)
+        model = Net()
+        return model, hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                               named_parameters=model.named_parameters())
+
+    os.sched_setaffinity(0, {min(cores)})
+    try:
+        model, opt = make()  # the decision is taken here, from this thread's cores
+    finally:
+        os.sched_setaffinity(0, cores)
+    assert opt._hvddp_defer_cpu is (setting != "1")
+    torch.manual_seed(0)
+    ref = Net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    for step in range(2):
+        x, y = batch(step)
+        sum(shard_loss(ref, x, y, s) for s in range(N)).div(N).backward()
+        shard_loss(model, x, y, R).backward()
+        assert opt._hvddp_flights == [], "a gradient went out during backward"
+        with pytest.raises(hvd.HvddpError, match="zero_grad"):  # still counts as pending
+            opt.zero_grad()
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
+    assert_parity(model, ref)
+    assert_replicas_identical(model, "deferred")
+
+    if len(cores) > 1 and setting == "auto":
+        model, opt = make()
+        assert not opt._hvddp_defer_cpu
+        shard_loss(model, *batch(0), R).backward()
+        assert len(opt._hvddp_flights) == len(list(model.parameters()))  # out during backward
+        opt.step()

@@ -39,6 +39,11 @@ def test_distributed_optimizer_parity_and_behaviour(np_):
     run_pytest(np_, "tests/mpi_torch_optimizer.py")
 
 
+def test_distributed_optimizer_with_every_gradient_deferred_to_step():
+    """HVDDP_OVERLAP=0: what a rank bound to one core does by default; the same parity tests."""
+    run_pytest(2, "tests/mpi_torch_optimizer.py", env={"HVDDP_OVERLAP": "0"})
+
+
 def test_size_one_without_launcher():
     _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "tests/mpi_torch_single.py"])
 

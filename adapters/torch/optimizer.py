@@ -5,6 +5,12 @@ moment autograd has finished accumulating it, so the engine reduces the last lay
 while the first layers' are still being computed. ``step()`` waits for the reductions and then
 runs the wrapped optimizer's own update on the averaged gradients.
 
+Overlap needs somewhere to run: when the process may use one CPU core only (a rank bound to a
+core, as MPI launchers bind by default) and the gradients are on the CPU, the engine's work
+would interleave with backward on that one core, where it hides behind nothing and adds
+negotiation rounds and cache misses to both. Then the hooks only count, and ``synchronize()``
+submits every gradient at once (``HVDDP_OVERLAP=1``/``0`` decides instead of the core count).
+
 The wrapper is an instance of a class built as ``(mixin, type(optimizer))``: it is still an
 ``isinstance`` of the wrapped optimizer's class, keeps the same ``state`` and ``param_groups``
 (the very same objects), ``state_dict()``/``load_state_dict()`` are the wrapped class's, and the
@@ -16,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import numbers
+import os
 import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -32,6 +39,17 @@ from .mpi_ops import allreduce_async_, grouped_allreduce_async_, sparse_allreduc
 __all__ = ["DistributedOptimizer"]
 
 _instances = itertools.count()
+
+
+def _defer_cpu_gradients() -> bool:
+    """Whether CPU gradients wait for ``synchronize()`` instead of going out during backward."""
+    setting = hvddp.runtime._state().config.overlap
+    if setting is not None:
+        return not setting
+    try:
+        return len(os.sched_getaffinity(0)) == 1  # no core for the engine to overlap on
+    except (AttributeError, OSError):  # not Linux
+        return False
 
 
 def _split_list(items: list, n: int) -> List[list]:
@@ -169,6 +187,7 @@ class _DistributedOptimizer:
         self._hvddp_should_synchronize = True
         self._hvddp_hooks = []
         self._hvddp_active = process_set.size() > 1 and process_set.included()
+        self._hvddp_defer_cpu = self._hvddp_active and _defer_cpu_gradients()
         if self._hvddp_active:
             # The hooks hold the optimizer weakly and go away with it, so an optimizer that is
             # replaced (or dropped) stops reducing the model's gradients.
@@ -228,26 +247,29 @@ class _DistributedOptimizer:
         delay -= 1
         self._hvddp_delay[p] = delay
         self._hvddp_touched.add(p)
-        if delay:
-            return
+        if delay or (self._hvddp_defer_cpu and p.device.type == "cpu"):
+            return  # (deferred: synchronize() submits it with the rest)
         gi = self._hvddp_group_of.get(p)
         if gi is None:
-            grad = p.grad
-            if (self._hvddp_plain and grad is not None and grad.layout == torch.strided
-                    and grad.device.type == "cpu"):
-                # The common case, kept short: the core reduces p.grad's own memory in place.
-                self._hvddp_submitted.add(p)
-                handle = hvddp.allreduce_async_(as_numpy(grad), None, self._hvddp_full_names[p],
-                                                self._hvddp_op, self._hvddp_pre, self._hvddp_post,
-                                                self._hvddp_process_set)
-                self._hvddp_flights.append(_Flight(handle, None))
-            else:
-                self._hvddp_submit([p], None)
+            self._hvddp_submit_one(p)
             return
         ready = self._hvddp_group_ready.setdefault(gi, set())
         ready.add(p)
         if len(ready) == len(self._hvddp_groups[gi]):
             self._hvddp_submit(self._hvddp_groups[gi], gi)
+
+    def _hvddp_submit_one(self, p: torch.Tensor) -> None:
+        grad = p.grad
+        if (self._hvddp_plain and grad is not None and grad.layout == torch.strided
+                and grad.device.type == "cpu"):
+            # The common case, kept short: the core reduces p.grad's own memory in place.
+            self._hvddp_submitted.add(p)
+            handle = hvddp.allreduce_async_(as_numpy(grad), None, self._hvddp_full_names[p],
+                                            self._hvddp_op, self._hvddp_pre, self._hvddp_post,
+                                            self._hvddp_process_set)
+            self._hvddp_flights.append(_Flight(handle, None))
+        else:
+            self._hvddp_submit([p], None)
 
     def _hvddp_submit(self, params: Sequence[torch.Tensor], gi: Optional[int]) -> None:
         compression = self._hvddp_compression
@@ -300,7 +322,7 @@ class _DistributedOptimizer:
                 self._hvddp_submit(members, gi)
         for p in self._hvddp_params:
             if p not in self._hvddp_submitted and p not in self._hvddp_group_of:
-                self._hvddp_submit([p], None)
+                self._hvddp_submit_one(p)
         flights, self._hvddp_flights = self._hvddp_flights, []
         errors = []
         for flight in flights:
