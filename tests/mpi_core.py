@@ -136,6 +136,19 @@ def test_grouped_allreduce():
     np.testing.assert_allclose(xs[0], np.full(3, (N - 1) / 2))
 
 
+def test_grouped_allreduce_with_one_member_changed_after_caching():
+    """A cached group whose middle member changes shape: the whole group is negotiated again
+    (a group travels one way), many members deep."""
+    for length in (4, 4, 4, 9, 9):
+        xs = [np.full(5, R + i, dtype=np.float32) for i in range(40)]
+        xs[20] = np.full(length, R, dtype=np.float32)
+        out = hvddp.grouped_allreduce(xs, op=hvddp.Sum, name="grp.change")
+        assert [o.shape for o in out] == [x.shape for x in xs]
+        for i, o in enumerate(out):
+            base = 0 if i == 20 else i
+            np.testing.assert_array_equal(o, np.full(o.shape, N * base + sum(range(N))))
+
+
 @pytest.mark.parametrize("dtype", DTYPES + ["bool"])
 def test_allgather_uneven_first_dimension(dtype):
     x = (np.ones((R + 1, 2)) * R).astype(dt(dtype))

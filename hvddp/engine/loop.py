@@ -209,12 +209,10 @@ class Engine:
         use_cache = cache.capacity > 0 and not self._join_mode
         demote_before = now - self._demote_s
         pending = self._pending
+        groups_ok: Dict[int, bool] = {}  # id(group_keys) -> every member pending and cached
         for entry in pending.values():
             state = entry.state
-            if state == SENT:
-                continue
-            if state == UNSENT:
-                unsent.append(entry)
+            if state in (SENT, UNSENT):  # UNSENT: a sibling in this loop already listed it
                 continue
             if state == BIT and entry.cache_version == version and entry.submitted > demote_before \
                     and use_cache:
@@ -222,13 +220,16 @@ class Engine:
             slot = None
             if use_cache and entry.request.kind is Kind.ALLREDUCE and entry.submitted > demote_before:
                 slot = cache.lookup(entry.sig)
-                if slot is not None and entry.group_keys:
-                    for key in entry.group_keys:
-                        sibling = pending.get(key)
-                        if sibling is None or sibling.state in (SENT, UNSENT) or \
-                                cache.lookup(sibling.sig) is None:
-                            slot = None
-                            break
+                keys = entry.group_keys
+                if slot is not None and keys:
+                    ok = groups_ok.get(id(keys))
+                    if ok is None:  # once per group, not once per member
+                        ok = groups_ok[id(keys)] = all(
+                            sibling is not None and sibling.state not in (SENT, UNSENT)
+                            and cache.lookup(sibling.sig) is not None
+                            for sibling in map(pending.get, keys))
+                    if not ok:
+                        slot = None
             if slot is None:
                 entry.state = UNSENT
                 unsent.append(entry)
