@@ -6,7 +6,7 @@ while the first layers' are still being computed. ``step()`` waits for the reduc
 runs the wrapped optimizer's own update on the averaged gradients.
 
 Overlap needs somewhere to run: when the process may use one CPU core only (a rank bound to a
-core, as MPI launchers bind by default) and the gradients are on the CPU, the engine's work
+core by its launcher or by ``os.sched_setaffinity``) and the gradients are on the CPU, the engine's work
 would interleave with backward on that one core, where it hides behind nothing and adds
 negotiation rounds and cache misses to both. Then the hooks only count, and ``synchronize()``
 submits every gradient at once (``HVDDP_OVERLAP=1``/``0`` decides instead of the core count).
