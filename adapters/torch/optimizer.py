@@ -6,7 +6,8 @@ while the first layers' are still being computed. ``step()`` waits for the reduc
 runs the wrapped optimizer's own update on the averaged gradients.
 
 Overlap needs somewhere to run: when the process may use one CPU core only (a rank bound to a
-core by its launcher or by ``os.sched_setaffinity``) and the gradients are on the CPU, the engine's work
+core by its launcher or by ``os.sched_setaffinity``), every rank is on this node and the
+gradients are on the CPU, the engine's work
 would interleave with backward on that one core, where it hides behind nothing and adds
 negotiation rounds and cache misses to both. Then the hooks only count, and ``synchronize()``
 submits every gradient at once (``HVDDP_OVERLAP=1``/``0`` decides instead of the core count).
@@ -42,10 +43,17 @@ _instances = itertools.count()
 
 
 def _defer_cpu_gradients() -> bool:
-    """Whether CPU gradients wait for ``synchronize()`` instead of going out during backward."""
+    """Whether CPU gradients wait for ``synchronize()`` instead of going out during backward.
+
+    Auto: on one node the reduction is memory copies made by this rank's CPU, which a one-core
+    rank cannot overlap with anything; across nodes the network moves the bytes while backward
+    runs, so overlap pays even there.
+    """
     setting = hvddp.runtime._state().config.overlap
     if setting is not None:
         return not setting
+    if hvddp.local_size() != hvddp.size():  # the job spans nodes
+        return False
     try:
         return len(os.sched_getaffinity(0)) == 1  # no core for the engine to overlap on
     except (AttributeError, OSError):  # not Linux
