@@ -9,8 +9,8 @@ imported so every thread of the rank, hvddp's engine and gloo's included, stays 
 The driver runs four configurations one after the other (``--repeats`` rounds, best round kept
 for each): one process, hvddp with its defaults (pinned to one core, a rank's DistributedOptimizer
 submits every gradient at ``step()``), hvddp with ``HVDDP_OVERLAP=1`` (each gradient during
-backward, as with more cores), and DDP; then it prints ms/step (the slowest rank's mean over the timed steps), global
-samples/s, the ratios, and where each rank's CPU time went: the training thread, and every other
+backward, as with more cores), and DDP; then it prints ms/step (the slowest rank's mean over the
+timed steps), global samples/s, the ratios, and where each rank's CPU time went: the training thread, and every other
 thread of the process (hvddp's engine, gloo's workers). With one core per rank the two add up:
 communication that runs on the same core is not hidden by overlap. The workers are this same
 file with ``--mode``.
@@ -60,14 +60,19 @@ def _model():
     return torch.nn.Sequential(*layers)
 
 
-def _loop(model, optimizer, steps: int, warmup: int, sync) -> tuple:
-    """Train; return this rank's mean (wall, main-thread CPU, other threads' CPU) s per timed step."""
+def _data() -> tuple:
+    """The one synthetic batch every step trains on: (inputs, labels), seeded."""
     import torch
-    import torch.nn.functional as F
 
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(BATCH, WIDTH, generator=g)
-    y = torch.randint(0, 10, (BATCH,), generator=g)
+    return torch.randn(BATCH, WIDTH, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+
+
+def _loop(model, optimizer, steps: int, warmup: int, sync) -> tuple:
+    """Train; return this rank's mean (wall, main-thread CPU, other threads' CPU) s per timed step."""
+    import torch.nn.functional as F
+
+    x, y = _data()
     for i in range(warmup + steps):
         if i == warmup:
             sync()
@@ -88,12 +93,9 @@ def _floor(model, optimizer, reps: int = 7) -> float:
     the gradients would cost a one-core rank if it could address the peer's memory directly.
     """
     import numpy as np
-    import torch
     import torch.nn.functional as F
 
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(BATCH, WIDTH, generator=g)
-    y = torch.randint(0, 10, (BATCH,), generator=g)
+    x, y = _data()
     params = [p for p in model.parameters() if p.requires_grad]
     peer = [np.ones(p.numel() // 2, dtype=np.float32) for p in params]
     piece = (128 << 10) // 4  # cache-sized pieces: the copy reads what the add just wrote
@@ -165,9 +167,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# (configuration, worker mode, environment): the hvddp runs differ only in HVDDP_OVERLAP
-CONFIGS = (("single", "single", {}), ("hvddp", "hvddp", {}),
-           ("hvddp-overlap", "hvddp", {"HVDDP_OVERLAP": "1"}), ("ddp", "ddp", {}))
+# (configuration, worker mode, environment, table label): the hvddp runs differ only in HVDDP_OVERLAP
+CONFIGS = (("single", "single", {}, "one process"), ("hvddp", "hvddp", {}, "hvddp"),
+           ("hvddp-overlap", "hvddp", {"HVDDP_OVERLAP": "1"}, "hvddp, HVDDP_OVERLAP=1"),
+           ("ddp", "ddp", {}, "torch DDP (gloo)"))
 
 
 def _run(mode: str, args, extra_env: dict) -> dict:
@@ -207,12 +210,12 @@ def main() -> None:
         worker(args.mode, args.steps, args.warmup)
         return
     best = {}
-    rounds = []  # the single-process runs, for their floor
+    floors = []  # every single-process run's
     for _ in range(args.repeats):
-        for config, mode, extra_env in CONFIGS:
+        for config, mode, extra_env, _ in CONFIGS:
             result = _run(mode, args, extra_env)
             if config == "single":
-                rounds.append(result)
+                floors.append(result["floor_ms"])
             if config not in best or result["ms_per_step"] < best[config]["ms_per_step"]:
                 best[config] = result
     single = best["single"]["ms_per_step"]
@@ -223,15 +226,15 @@ def main() -> None:
     print("| run | ranks | ms/step | samples/s | vs one process | vs DDP | CPU ms/step: training thread "
           "+ other threads (slowest rank) |")
     print("|---|---|---|---|---|---|---|")
-    for mode, label in (("single", "one process"), ("ddp", "torch DDP (gloo)"), ("hvddp", "hvddp"),
-                        ("hvddp-overlap", "hvddp, HVDDP_OVERLAP=1")):
-        r = best[mode]
+    for config in ("single", "ddp", "hvddp", "hvddp-overlap"):
+        label = next(c[3] for c in CONFIGS if c[0] == config)
+        r = best[config]
         throughput = r["ranks"] * BATCH / (r["ms_per_step"] / 1e3)
         vs_single = throughput / (BATCH / (single / 1e3))
         vs_ddp = throughput / (best["ddp"]["ranks"] * BATCH / (ddp / 1e3))
         print(f"| {label} | {r['ranks']} | {r['ms_per_step']:.1f} | {throughput:.0f} | "
               f"{vs_single:.2f}x | {vs_ddp:.2f}x | {r['main_cpu_ms']:.1f} + {max(r['other_cpu_ms'], 0.0):.1f} |")
-    floor = min(r["floor_ms"] for r in rounds)
+    floor = min(floors)
     engine = best["hvddp"]["other_cpu_ms"]
     print(f"\nfloor: one rank's share of the gradient traffic at np=2 (read its half of every gradient "
           f"and a peer's, write the sum to both) takes plain numpy {floor:.1f} ms/step in one process. "

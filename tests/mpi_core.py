@@ -447,7 +447,7 @@ def test_aliased_in_place_arrays_reduce_the_original_values(n):
         np.testing.assert_allclose(buf, reference(hvddp.Average, dtype, (n,)), rtol=1e-6)
 
     b = data(R, "float32", (n,))
-    inplace, out = hvddp.grouped_allreduce_async_([b], op=hvddp.Sum, name=f"alias.inplace.{n}"), None
+    inplace = hvddp.grouped_allreduce_async_([b], op=hvddp.Sum, name=f"alias.inplace.{n}")
     out = hvddp.allreduce_async(b, op=hvddp.Sum, name=f"alias.copy.{n}")
     np.testing.assert_array_equal(hvddp.synchronize(out), expected)
     np.testing.assert_array_equal(hvddp.synchronize(inplace)[0], expected)

@@ -1,9 +1,10 @@
 """Reuse of result arrays: freshly allocated memory costs page faults on every step.
 
 Out-of-place collectives return new arrays. Allocating them anew each step makes the kernel
-zero and map fresh pages (glibc hands large freed blocks back to the system). The pool keeps the arrays it handed out and gives one back again
-once nothing but the pool refers to it, which ``sys.getrefcount`` tells exactly: any view a
-caller kept (numpy's, or a framework tensor made with ``from_numpy``) holds a reference.
+zero and map fresh pages (glibc hands large freed blocks back to the system). The pool keeps the
+arrays it handed out and gives one back again once nothing but the pool refers to it, which
+``sys.getrefcount`` tells exactly: any view a caller kept (numpy's, or a framework tensor made
+with ``from_numpy``) holds a reference.
 """
 
 from __future__ import annotations
