@@ -397,7 +397,7 @@ def test_broadcast_optimizer_state(kind):
 # errors ----------------------------------------------------------------------------------------
 def test_mismatched_shape_raises_on_every_rank():
     x = torch.ones(2 + (R == 0))
-    with pytest.raises(RuntimeError, match="shape differs"):
+    with pytest.raises(hvd.HorovodInternalError, match="shape differs"):  # what Horovod scripts catch
         hvd.allreduce(x, name="mismatch.shape")
     with pytest.raises(RuntimeError, match="dtype differs"):
         hvd.allreduce(torch.ones(2, dtype=torch.float32 if R == 0 else torch.float64), name="mismatch.dtype")

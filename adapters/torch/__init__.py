@@ -40,6 +40,9 @@ from .mpi_ops import (Handle, allgather, allgather_async, allreduce, allreduce_,
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
 
+# Horovod's torch package raises this name for every failed collective; scripts catch it by it
+HorovodInternalError = HvddpError
+
 
 def gloo_built() -> bool:
     """Return False: hvddp has no Gloo controller (MPI on CPU, NCCL on GPU)."""
@@ -72,7 +75,7 @@ __all__ = [
     "cuda_built", "gloo_built", "gloo_enabled", "ccl_built", "ddl_built", "rocm_built",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "Average", "Sum", "Min", "Max", "Product", "Adasum", "ReduceOp",
-    "HvddpError", "MismatchError", "NotInitializedError", "ShutdownError",
+    "HvddpError", "HorovodInternalError", "MismatchError", "NotInitializedError", "ShutdownError",
     "Compression", "Compressor", "Handle",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
