@@ -22,9 +22,10 @@ from .ops import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather, 
                   grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
                   grouped_reducescatter, grouped_reducescatter_async, join, reducescatter,
                   reducescatter_async)
-from .runtime import (ProcessSet, add_process_set, cross_rank, cross_size, cuda_built, global_process_set,
-                      init, is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
-                      mpi_threads_supported, nccl_built, rank, remove_process_set, shutdown, size)
+from .runtime import (ProcessSet, add_process_set, ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
+                      gloo_built, gloo_enabled, global_process_set, init, is_homogeneous, is_initialized,
+                      local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
+                      remove_process_set, rocm_built, shutdown, size)
 from .timeline import start_timeline, stop_timeline
 from . import checkpoint  # noqa: E402  (rank-0 atomic checkpoints; collective save/load)
 
@@ -33,7 +34,8 @@ __version__ = "0.1.0"
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_built", "mpi_enabled", "nccl_built",
-    "cuda_built", "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+    "cuda_built", "gloo_built", "gloo_enabled", "ccl_built", "ddl_built", "rocm_built",
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "Average", "Sum", "Min", "Max", "Product", "Adasum", "ReduceOp",
     "allreduce", "allreduce_async", "allreduce_", "allreduce_async_", "grouped_allreduce",
     "grouped_allreduce_async", "grouped_allreduce_", "grouped_allreduce_async_", "allgather",

@@ -392,6 +392,31 @@ def nccl_built() -> bool:
     return _nccl_built()
 
 
+def gloo_built() -> bool:
+    """Return False: hvddp has no Gloo controller (MPI on the CPU, NCCL on the GPU)."""
+    return False
+
+
+def gloo_enabled() -> bool:
+    """Return False: hvddp has no Gloo controller."""
+    return False
+
+
+def ccl_built() -> bool:
+    """Return False: hvddp has no oneCCL backend."""
+    return False
+
+
+def ddl_built() -> bool:
+    """Return False: hvddp has no IBM DDL backend."""
+    return False
+
+
+def rocm_built() -> bool:
+    """Return False: hvddp has no ROCm path."""
+    return False
+
+
 def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
     """Register a process set after ``init()``. Every rank must call it, in the same order.
 

@@ -322,6 +322,8 @@ def test_helpers_on_numpy_and_tensors():
 
         fn = tf.function(lambda t: hvd.allreduce(t, name="test.h.tf") * 2)
         np.testing.assert_allclose(fn(tensor).numpy(), mean * 2)
+    with pytest.raises(RuntimeError, match=r"broadcast_variables\(model.variables, root_rank=0\)"):
+        hvd.broadcast_global_variables(0)  # as Horovod under TF 2: no global variables to broadcast
 
 
 def test_mismatched_models_raise_on_every_rank():

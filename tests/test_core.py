@@ -1,5 +1,6 @@
 """The numpy core under real mpiexec (2 and 3 ranks), and its single-process behaviour."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -48,6 +49,37 @@ def test_import_hvddp_pulls_no_framework():
             "if m in sys.modules]; assert not bad, bad; print('clean')")
     result = _python(code)
     assert result.returncode == 0 and "clean" in result.stdout, result.stderr
+
+
+# Names Horovod 0.28.1's packages export that a ported script may use, per hvddp package
+HOROVOD_NAMES = {
+    "hvddp": "init shutdown is_initialized rank size local_rank local_size cross_rank cross_size "
+             "is_homogeneous mpi_threads_supported mpi_built mpi_enabled nccl_built cuda_built gloo_built "
+             "gloo_enabled ccl_built ddl_built rocm_built start_timeline stop_timeline",
+    "hvddp.torch": "HorovodInternalError Compression DistributedOptimizer SyncBatchNorm allreduce_async_ "
+                   "grouped_allreduce_async_ sparse_allreduce_async broadcast_async_ grouped_reducescatter_async "
+                   "broadcast_parameters broadcast_optimizer_state gloo_built rocm_built start_timeline",
+    "hvddp.keras": "DistributedOptimizer callbacks load_model broadcast_global_variables allreduce allgather "
+                   "broadcast gloo_built gloo_enabled ccl_built ddl_built rocm_built start_timeline "
+                   "stop_timeline",
+    "hvddp.tensorflow": "DistributedGradientTape broadcast_variables allreduce grouped_allreduce allgather "
+                        "broadcast alltoall reducescatter gloo_built ccl_built rocm_built start_timeline "
+                        "stop_timeline",
+}
+
+
+@pytest.mark.parametrize("module", sorted(HOROVOD_NAMES))
+def test_every_exported_name_resolves_and_horovods_names_are_there(module):
+    framework = {"hvddp.torch": "torch", "hvddp.keras": "keras", "hvddp.tensorflow": "tensorflow"}.get(module)
+    if framework and importlib.util.find_spec(framework) is None:
+        pytest.skip(f"{framework} is not installed")
+    code = (f"import importlib; m = importlib.import_module({module!r})\n"
+            f"missing = [n for n in m.__all__ + {HOROVOD_NAMES[module].split()!r} if not hasattr(m, n)]\n"
+            "assert not missing, missing\n"
+            "assert not any(getattr(m, q)() for q in ('gloo_built', 'gloo_enabled', 'ccl_built', 'rocm_built'))\n"
+            "print('names ok')")
+    result = _python(code, env={"KERAS_BACKEND": "torch", "TF_CPP_MIN_LOG_LEVEL": "3"}, timeout=120)
+    assert result.returncode == 0 and "names ok" in result.stdout, result.stderr[-3000:]
 
 
 def test_calls_before_init_raise_clearly():

@@ -27,17 +27,18 @@ if not _keras.__version__.startswith("3."):  # pragma: no cover
 
 from hvddp import (Adasum, Average, BackendUnavailableError, Compression, HvddpError, Max, Min,
                    MismatchError, NotInitializedError, ProcessSet, Product, ShutdownError, StallError, Sum,
-                   add_process_set, allgather_object, barrier, broadcast_object, cross_rank, cross_size,
-                   cuda_built, global_process_set, init, is_homogeneous, is_initialized, join, local_rank,
-                   local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
-                   remove_process_set, shutdown, size)
+                   add_process_set, allgather_object, barrier, broadcast_object, ccl_built, cross_rank,
+                   cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, global_process_set, init,
+                   is_homogeneous, is_initialized, join, local_rank, local_size, mpi_built, mpi_enabled,
+                   mpi_threads_supported, nccl_built, rank, remove_process_set, rocm_built, shutdown, size,
+                   start_timeline, stop_timeline)
 
 from . import callbacks, checkpoint
 from ._jit import install_auto_jit_guard as _install_auto_jit_guard
 from .callbacks import (BroadcastGlobalVariablesCallback, LearningRateScheduleCallback,
                         LearningRateWarmupCallback, MetricAverageCallback)
 from .checkpoint import CheckpointCallback, load_checkpoint, save_checkpoint
-from .functions import allgather, allreduce, broadcast, broadcast_variables
+from .functions import allgather, allreduce, broadcast, broadcast_global_variables, broadcast_variables
 from .optimizer import DistributedOptimizer, is_distributed, load_model
 
 _install_auto_jit_guard()
@@ -45,12 +46,14 @@ _install_auto_jit_guard()
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_built", "mpi_enabled", "nccl_built",
-    "cuda_built", "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+    "cuda_built", "gloo_built", "gloo_enabled", "ccl_built", "ddl_built", "rocm_built",
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression",
     "DistributedOptimizer", "is_distributed", "load_model", "callbacks", "BroadcastGlobalVariablesCallback",
     "MetricAverageCallback", "LearningRateScheduleCallback", "LearningRateWarmupCallback",
-    "allreduce", "allgather", "broadcast", "broadcast_variables", "barrier", "join", "broadcast_object",
-    "allgather_object",
+    "allreduce", "allgather", "broadcast", "broadcast_variables", "broadcast_global_variables", "barrier",
+    "join", "broadcast_object", "allgather_object",
     "HvddpError", "NotInitializedError", "BackendUnavailableError", "MismatchError", "ShutdownError",
-    "StallError", "checkpoint", "CheckpointCallback", "save_checkpoint", "load_checkpoint",
+    "StallError", "start_timeline", "stop_timeline", "checkpoint", "CheckpointCallback", "save_checkpoint",
+    "load_checkpoint",
 ]

@@ -116,6 +116,18 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int = 0,
         v.assign(handle.wait().view(value.dtype))
 
 
+def broadcast_global_variables(root_rank: int) -> None:
+    """Raise, as Horovod's Keras package does under TensorFlow 2: Keras 3 has no global variables.
+
+    Raises:
+        HvddpError (a RuntimeError): always, naming the two ways that do work.
+    """
+    raise hvddp.HvddpError(
+        f"broadcast_global_variables({root_rank!r}): Keras 3 keeps no global variable collection. "
+        f"Use hvd.broadcast_variables(model.variables, root_rank={root_rank!r}) after the model is built, "
+        f"or pass hvd.callbacks.BroadcastGlobalVariablesCallback({root_rank!r}) to fit().")
+
+
 # The core has no uint16/32/64; send their bits as the signed type of the same width.
 _SIGNED = {"uint16": np.int16, "uint32": np.int32, "uint64": np.int64}
 

@@ -24,10 +24,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from hvddp import (Adasum, Average, BackendUnavailableError, Compression, HvddpError, Max, Min,
                    MismatchError, NotInitializedError, ProcessSet, Product, ShutdownError, StallError, Sum,
-                   add_process_set, allgather_object, barrier, broadcast_object, cross_rank, cross_size,
-                   cuda_built, global_process_set, init, is_homogeneous, is_initialized, join, local_rank,
-                   local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
-                   remove_process_set, shutdown, size)
+                   add_process_set, allgather_object, barrier, broadcast_object, ccl_built, cross_rank,
+                   cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, global_process_set, init,
+                   is_homogeneous, is_initialized, join, local_rank, local_size, mpi_built, mpi_enabled,
+                   mpi_threads_supported, nccl_built, rank, remove_process_set, rocm_built, shutdown, size,
+                   start_timeline, stop_timeline)
 
 from .functions import broadcast_variables
 from .gradient_tape import DistributedGradientTape
@@ -36,11 +37,12 @@ from .ops import allgather, allreduce, alltoall, broadcast, grouped_allreduce, r
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_built", "mpi_enabled", "nccl_built",
-    "cuda_built", "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+    "cuda_built", "gloo_built", "gloo_enabled", "ccl_built", "ddl_built", "rocm_built",
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression",
     "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
     "barrier", "join", "broadcast_object", "allgather_object",
     "DistributedGradientTape", "broadcast_variables",
     "HvddpError", "NotInitializedError", "BackendUnavailableError", "MismatchError", "ShutdownError",
-    "StallError",
+    "StallError", "start_timeline", "stop_timeline",
 ]

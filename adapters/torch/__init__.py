@@ -21,10 +21,11 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
                       "hvddp[torch]`).") from _exc
 
 from hvddp import (Adasum, Average, HvddpError, Max, Min, MismatchError, NotInitializedError,
-                   ProcessSet, Product, ReduceOp, ShutdownError, Sum, add_process_set, cross_rank,
-                   cross_size, cuda_built, global_process_set, init, is_homogeneous, is_initialized,
-                   local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
-                   rank, remove_process_set, shutdown, size, start_timeline, stop_timeline)
+                   ProcessSet, Product, ReduceOp, ShutdownError, Sum, add_process_set, ccl_built, cross_rank,
+                   cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, global_process_set, init,
+                   is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
+                   mpi_threads_supported, nccl_built, rank, remove_process_set, rocm_built, shutdown, size,
+                   start_timeline, stop_timeline)
 
 from . import checkpoint
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -42,31 +43,6 @@ from .sync_batch_norm import SyncBatchNorm
 
 # Horovod's torch package raises this name for every failed collective; scripts catch it by it
 HorovodInternalError = HvddpError
-
-
-def gloo_built() -> bool:
-    """Return False: hvddp has no Gloo controller (MPI on CPU, NCCL on GPU)."""
-    return False
-
-
-def gloo_enabled() -> bool:
-    """Return False: hvddp has no Gloo controller."""
-    return False
-
-
-def ccl_built() -> bool:
-    """Return False: hvddp has no oneCCL backend."""
-    return False
-
-
-def ddl_built() -> bool:
-    """Return False: hvddp has no IBM DDL backend."""
-    return False
-
-
-def rocm_built() -> bool:
-    """Return False: hvddp has no ROCm path."""
-    return False
 
 
 __all__ = [
