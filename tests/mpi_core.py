@@ -451,3 +451,14 @@ def test_aliased_in_place_arrays_reduce_the_original_values(n):
     out = hvddp.allreduce_async(b, op=hvddp.Sum, name=f"alias.copy.{n}")
     np.testing.assert_array_equal(hvddp.synchronize(out), expected)
     np.testing.assert_array_equal(hvddp.synchronize(inplace)[0], expected)
+
+    # a strided in-place view reduces a private copy that is written back into the array when
+    # done: an out-of-place call on that array in the same cycle still reads what was submitted
+    for step in (2, -2):
+        c = data(R, "float32", (n,))
+        view_sum = sum(data(r, "float32", (n,)) for r in range(N))[::step]
+        strided = hvddp.allreduce_async_(c[::step], op=hvddp.Sum, name=f"alias.strided.{step}.{n}")
+        whole = hvddp.allreduce_async(c, op=hvddp.Max, name=f"alias.whole.{step}.{n}")
+        np.testing.assert_array_equal(hvddp.synchronize(whole), reference(hvddp.Max, "float32", (n,)))
+        np.testing.assert_array_equal(hvddp.synchronize(strided), view_sum)
+        np.testing.assert_array_equal(c[::step], view_sum)

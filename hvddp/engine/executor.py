@@ -386,25 +386,44 @@ def _unalias(entries: list) -> None:
 
     Batches run one after another and the single-copy path writes slices in no fixed order, so
     an input sharing memory with another in-place allreduce of the same cycle (one array
-    reduced in place twice, overlapping views, the same array in and out of place) could be
-    read after it changed. With the copy every result reduces the values as submitted. Local
-    only: what each rank reads changes, not which calls it makes.
+    reduced in place twice, overlapping views, the same array in and out of place, or a strided
+    in-place view whose result is copied back into the array another entry reads) could be read
+    after it changed. With the copy every result reduces the values as submitted. Local only:
+    what each rank reads changes, not which calls it makes.
     """
     k = len(entries)
     inputs = [e.input for e in entries]
     start = np.fromiter(map(address, inputs), dtype=np.int64, count=k)
-    if not shares_memory(start, inputs):
+    strided = [i for i, e in enumerate(entries) if e.writeback is not None]
+    if not strided and not shares_memory(start, inputs):
         return  # the usual case
     end = start + np.fromiter((a.nbytes for a in inputs), dtype=np.int64, count=k)
     written = np.fromiter((e.output is e.input for e in entries), dtype=bool, count=k)
     written &= end > start
+    # where each entry's result lands: its input when in place, else the view written back
+    w_start, w_end = start.copy(), end.copy()
+    for i in strided:
+        w_start[i], w_end[i] = _extent(entries[i].writeback)
     for i, entry in enumerate(entries):
         if end[i] == start[i]:
             continue
-        hit = written & (start < end[i]) & (end > start[i])
+        hit = written & (w_start < end[i]) & (w_end > start[i])
         hit[i] = False
         if hit.any():
             entry.input = entry.input.copy()  # the output stays where the caller wants it
+
+
+def _extent(a: np.ndarray) -> tuple:
+    """[first, last + 1) byte addresses an array of any strides covers."""
+    low = high = a.ctypes.data
+    for n, stride in zip(a.shape, a.strides):
+        if n == 0:
+            return low, low
+        if stride < 0:
+            low += stride * (n - 1)
+        else:
+            high += stride * (n - 1)
+    return low, high + a.itemsize
 
 
 _addressof, _char = ctypes.addressof, ctypes.c_char
