@@ -40,6 +40,7 @@ static hv_dim blockIdx, threadIdx, blockDim;
 #define __device__
 #define __forceinline__ inline
 using std::trunc;
+using std::llround;
 static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
 static inline float hv_h2f(unsigned short h) { _Float16 x; std::memcpy(&x, &h, 2); return (float)x; }

@@ -411,6 +411,14 @@ def test_large_and_grouped_allreduces_exact_on_every_path():
     inplace = np.full(1_500_000, R + 1, dtype=np.int64)
     hvddp.allreduce_(inplace, op=hvddp.Average, name="big.int.average")
     assert (inplace == (N * (N + 1) // 2) // N).all()  # integers: truncated, as on the MPI path
+    # integer Average divides exactly, toward zero, at any magnitude (float64 math would not)
+    for n in (3, 600_000):  # a fusion buffer, and the array's own memory
+        big = np.full(n, 2**60 + 1 - 7 * R, dtype=np.int64)
+        want = (N * (2**60 + 1) - 7 * sum(range(N))) // N  # positive: floor is truncation
+        assert (hvddp.allreduce(big, op=hvddp.Average, name=f"big.int64.{n}") == want).all()
+        negative = np.full(n, -R - 1, dtype=np.int64)
+        quotient = -((N * (N + 1) // 2) // N)  # toward zero, not -inf
+        assert (hvddp.allreduce(negative, op=hvddp.Average, name=f"big.neg.{n}") == quotient).all()
     half = np.full(800_000, R + 1, dtype=np.float16)  # widened to float32 in a fusion buffer
     out = hvddp.allreduce(half, op=hvddp.Sum, name="big.half", prescale_factor=0.5)
     assert out.dtype == np.float16 and (out == N * (N + 1) / 4).all()

@@ -82,6 +82,28 @@ def test_every_exported_name_resolves_and_horovods_names_are_there(module):
     assert result.returncode == 0 and "names ok" in result.stdout, result.stderr[-3000:]
 
 
+def test_integer_scaling_divides_exactly_toward_zero():
+    """An integer Average over k ranks is sum / k truncated toward zero, exactly: in float64,
+    (49 * m) * (1 / 49) falls just below m for many m, and integers above 2**53 round."""
+    import numpy as np
+
+    from hvddp.engine.executor import _scaled_copy
+
+    for k in range(2, 200):
+        sums = np.arange(-60, 61, dtype=np.int64) * k + np.array([0, 1, -1] * 40 + [k - 1])
+        out = np.empty_like(sums)
+        _scaled_copy(out, sums, 1.0 / k)
+        np.testing.assert_array_equal(out, [int(s / k) for s in sums.tolist()],
+                                      err_msg=f"k={k}")
+    big = np.array([2**62 + 2**61 + 3, -(2**62) - 1], dtype=np.int64)
+    out = np.empty_like(big)
+    _scaled_copy(out, big, 0.5)
+    assert out.tolist() == [(2**62 + 2**61 + 3) // 2, -(2**61)]
+    small = np.array([7, -7], dtype=np.int32)
+    _scaled_copy(small, small, 0.3)  # not 1/k: float64 math, truncated
+    assert small.tolist() == [2, -2]
+
+
 def test_calls_before_init_raise_clearly():
     code = ("import hvddp, numpy as np\n"
             "for f in (hvddp.rank, hvddp.size, lambda: hvddp.allreduce(np.ones(2))):\n"

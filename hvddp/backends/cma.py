@@ -30,7 +30,7 @@ from typing import Optional
 import numpy as np
 from mpi4py import MPI
 
-from ..engine.executor import address, shares_memory
+from ..engine.executor import address, divisor, shares_memory, truncating_divide
 from ..engine.messages import ReduceOp
 
 SCRATCH_BYTES = 256 << 10  # fits in L2 next to the slice being reduced
@@ -162,7 +162,8 @@ class CrossMemory:
         """``dsts[i] = reduce(srcs[i] of every rank) * scale`` for flat contiguous arrays.
 
         ``srcs[i]`` may be ``dsts[i]`` (in place); all arrays share one dtype; integer results
-        are scaled in float64 and truncated toward zero. The arrays need not be adjacent: this
+        are divided exactly by k when scale is 1/k (an Average), else scaled in float64, and
+        truncated toward zero. The arrays need not be adjacent: this
         is fusion without a fusion buffer. Outputs may share memory (the same array twice in a
         group) as long as no input does: the slices' owners then all write final values there.
         Collective: every rank passes the same sizes in the same order.
@@ -201,6 +202,7 @@ class CrossMemory:
         ufunc = (_BOOL_UFUNCS if dtype.kind == "b" else _UFUNCS)[op]
         factor = dtype.type(scale) if scale != 1.0 and dtype.kind == "f" else None
         truncate = scale if scale != 1.0 and dtype.kind != "f" else None
+        exact = divisor(scale) if truncate is not None and dtype.kind in "iu" else 0
         item = dtype.itemsize
         room = max(1, self._region_bytes // item)  # elements per peer region
         scratch = self._scratch.view(dtype)
@@ -233,6 +235,8 @@ class CrossMemory:
                     ufunc(acc, scratch[m * room + at:m * room + stop], out=acc)
                 if factor is not None:
                     np.multiply(acc, factor, out=acc)
+                elif exact:
+                    truncating_divide(acc, acc, exact)
                 elif truncate is not None:
                     np.copyto(acc, np.trunc(acc * truncate), casting="unsafe")
                 if shared:

@@ -207,7 +207,8 @@ def kernel_source(src: str, dst: str, prelude: bool = True) -> str:
 
     Math follows ``executor._scaled_copy``: unscaled copies convert directly (through float for
     half types); scaled floats multiply in float32, or float64 when either side is float64;
-    scaled integers multiply in float64 and truncate toward zero.
+    scaled integers divide exactly by k when the scale is 1/k (an Average), else multiply in
+    float64; both truncate toward zero.
     """
     for d in (src, dst):
         if d not in _CTYPE:
@@ -223,7 +224,10 @@ def kernel_source(src: str, dst: str, prelude: bool = True) -> str:
         scaled = _store(dst, f"{_load(src, 'x', wide)} * ({wide})scale")
     else:
         plain = _store(dst, _load(src, "x", "long long"))
-        scaled = _store(dst, f"trunc({_load(src, 'x', 'double')} * scale)")
+        scaled = f"trunc({_load(src, 'x', 'double')} * scale)"
+        if "bool" not in (src, dst):  # an Average's 1/k divides exactly (C's / truncates toward zero)
+            scaled = f"(k >= 2 && 1.0 / (double)k == scale ? {_load(src, 'x', 'long long')} / k : (long long){scaled})"
+        scaled = _store(dst, scaled)
     name = kernel_name(src, dst)
     head = HALF_PRELUDE + BF16_PRELUDE if prelude else ""
     return head + f"""
@@ -237,6 +241,7 @@ extern "C" __global__ void {name}(const long long* table, long long n, long long
     const long long count = table[2 * n + e];
     if (stop > count) stop = count;
     const {s_t}* s = (const {s_t}*)table[e];
+    const long long k = scale > 0.0 && scale <= 0.5 ? llround(1.0 / scale) : 0;
     {d_t}* d = ({d_t}*)table[n + e];
     for (long long i = start + threadIdx.x; i < stop; i += blockDim.x) {{
         const {s_t} x = s ? s[i] : ({s_t})0;

@@ -480,15 +480,34 @@ def _buffers(request: Request, entry: Optional[Entry], pool: OutputPool):
     return src, entry.output.reshape(-1)
 
 
+def divisor(factor: float) -> int:
+    """k when ``factor`` is exactly 1/k for an integer k >= 2 (an Average's scale), else 0."""
+    if not 0.0 < factor <= 0.5:
+        return 0
+    k = round(1.0 / factor)
+    return k if 1.0 / k == factor else 0
+
+
+def truncating_divide(dst: np.ndarray, src: np.ndarray, k: int) -> None:
+    """``dst = src / k`` for integers, truncated toward zero, exact at any magnitude.
+
+    ``src - fmod(src, k)`` is a multiple of k (fmod keeps the dividend's sign), so the floor
+    division after it is exact and rounds toward zero; float64 would lose integers above 2**53.
+    """
+    np.floor_divide(src - np.fmod(src, k), k, out=dst, casting="unsafe")
+
+
 def _scaled_copy(dst: np.ndarray, src: np.ndarray, factor: float) -> None:
     """``dst = src * factor`` in one pass (a plain copy when factor is 1), casting to dst.
 
     Float math runs in the wider of the two dtypes (float32 for half types); integer results
-    are truncated toward zero.
+    are truncated toward zero: exactly when the factor is 1/k (an Average), else through float64.
     """
     if factor == 1.0:
         if dst is not src:
             np.copyto(dst, src, casting="unsafe")
+    elif dst.dtype.kind in "iu" and src.dtype.kind in "iu" and divisor(factor):
+        truncating_divide(dst, src, divisor(factor))
     elif dst.dtype.kind in "iub" or src.dtype.kind in "iub":
         scaled = src * factor
         np.copyto(dst, scaled if dst.dtype.kind == "f" else np.trunc(scaled), casting="unsafe")
