@@ -433,6 +433,21 @@ def test_cross_memory_follows_its_setting():
     assert (_cross_memory_in_use() is not None) == expect
 
 
+@pytest.mark.parametrize("n", [4, 600_000])  # MPI on a fusion buffer, and the array's own memory
+def test_large_and_small_min_max_propagate_nan(n):
+    """A NaN on any rank makes Min and Max NaN, whichever rank holds it and whichever path runs
+    (MPI's own MIN/MAX would keep or drop it by rank order; numpy's minimum/maximum keep it)."""
+    for dtype in (np.float32, np.float64, np.float16):
+        for op in (hvddp.Min, hvddp.Max):
+            x = np.full(n, 2.0 + R, dtype=dtype)
+            x[0] = np.nan if R == 0 else 1.0  # NaN on the first rank
+            x[1] = np.nan if R == N - 1 else 1.0  # on the last
+            out = hvddp.allreduce(x, op=op, name=f"nan.{n}.{op!r}.{np.dtype(dtype).name}")
+            assert np.isnan(out[:2]).all(), out[:3]
+            assert not np.isnan(out[2:]).any()
+            assert (out[2:] == (2.0 if op == hvddp.Min else 1.0 + N)).all()
+
+
 @pytest.mark.parametrize("n", [40, 600_000])  # fused, and each array on its own memory
 def test_aliased_in_place_arrays_reduce_the_original_values(n):
     """Memory shared by allreduces of one cycle, at least one in place: every result is the

@@ -39,14 +39,33 @@ _MPI_OPS = {
 
 _BOOL_OPS = {ReduceOp.MIN: MPI.LAND, ReduceOp.MAX: MPI.LOR}
 
+
+def _nan_propagating(ufunc) -> MPI.Op:
+    """An MPI op reducing floats with numpy's ``minimum``/``maximum``: NaN wins, as it does on
+    the single-copy path and in numpy and torch. MPI's own MIN/MAX compare with ``<``, so
+    whether a NaN survived depended on its rank and on the algorithm MPI chose for the size."""
+    def reduce(inbuf, inoutbuf, datatype) -> None:
+        dtype = np.float64 if datatype == MPI.DOUBLE else np.float32
+        ufunc(np.frombuffer(inbuf, dtype=dtype), np.frombuffer(inoutbuf, dtype=dtype),
+              out=np.frombuffer(inoutbuf, dtype=dtype))
+
+    return MPI.Op.Create(reduce, commute=True)
+
+
+_FLOAT_OPS = {ReduceOp.MIN: _nan_propagating(np.minimum), ReduceOp.MAX: _nan_propagating(np.maximum)}
+
 SPIN_S = 50e-6  # short waits: keep testing, a peer is usually about to arrive
 MAX_BACKOFF_S = 200e-6  # long waits: sleep between tests, at most this long (~5% of a core)
 
 
 def mpi_op(op: int, dtype) -> MPI.Op:
-    """The MPI op for an hvddp op on ``dtype`` (a name or a numpy dtype); bool uses logical ops."""
-    if dtype == "bool" or getattr(dtype, "kind", "") == "b":
+    """The MPI op for an hvddp op on ``dtype`` (a name or a numpy dtype); bool uses logical ops,
+    float Min/Max ops that propagate NaN."""
+    kind = getattr(dtype, "kind", "")
+    if dtype == "bool" or kind == "b":
         return _BOOL_OPS[op]
+    if (kind == "f" or dtype in ("float32", "float64")) and op in _FLOAT_OPS:
+        return _FLOAT_OPS[op]
     return _MPI_OPS[op]
 
 
