@@ -29,6 +29,10 @@ class MismatchError(HvddpError):
     """Ranks submitted the same collective with different parameters; raised on every rank."""
 
 
+# In a MismatchError's message when the ranks called different collectives under one name
+KIND_MISMATCH = "was submitted as different collectives"
+
+
 class ShutdownError(HvddpError):
     """The engine stopped (``shutdown()`` on some rank) while this operation was pending."""
 

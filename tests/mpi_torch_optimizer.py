@@ -199,6 +199,43 @@ def test_sparse_gradients_both_ways():
         assert_replicas_identical(model, f"sparse.{as_dense}")
 
 
+def test_sparse_parameter_without_a_gradient_on_some_ranks():
+    """A sparse embedding that only some ranks use in a step: the others have no gradient and
+    submit dense zeros, meet the sparse ranks' allgather in a MismatchError, and every rank
+    resubmits it as sparse; afterwards the zero-gradient ranks know and go sparse at once."""
+    if N == 1:
+        pytest.skip("needs two ranks")
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 3, sparse=True)
+            self.lin = torch.nn.Linear(3, 1)
+
+        def forward(self, x, ids=None):
+            y = self.lin(x).sum()
+            return y if ids is None else y + self.lin(self.emb(ids)).sum()
+
+    torch.manual_seed(0)
+    ref = Model()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                   named_parameters=model.named_parameters())
+    x = torch.ones(2, 3)
+    users = [{0}, set(range(N)), {N - 1}, set()]  # which ranks use the embedding, step by step
+    for step, who in enumerate(users):
+        ids = [torch.tensor([step % 10, (3 * s + 1) % 10]) for s in range(N)]
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        sum(ref(x, ids[s] if s in who else None) for s in range(N)).div(N).backward()
+        model(x, ids[R] if R in who else None).backward()
+        ref_opt.step()
+        opt.step()
+        assert_parity(model, ref)
+    assert_replicas_identical(model, "sparse.partial")
+
+
 # behaviour -------------------------------------------------------------------------------------
 def test_wrapper_keeps_class_state_and_round_trips_state_dict():
     model = Net()

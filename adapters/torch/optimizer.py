@@ -30,12 +30,14 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 import torch
 
 import hvddp
-from hvddp import Average, HvddpError, ProcessSet, ReduceOp, Sum, global_process_set
+from hvddp import Average, HvddpError, MismatchError, ProcessSet, ReduceOp, Sum, global_process_set
+from hvddp.exceptions import KIND_MISMATCH
 from hvddp.ops import _op as _check_op
 
 from ._convert import as_numpy
+from ._sparse import sparse_rows_async
 from .compression import Compression, Compressor
-from .mpi_ops import allreduce_async_, grouped_allreduce_async_, sparse_allreduce_async
+from .mpi_ops import allreduce_async_, grouped_allreduce_async_
 
 __all__ = ["DistributedOptimizer"]
 
@@ -177,6 +179,8 @@ class _DistributedOptimizer:
         self._hvddp_pre = 1.0 / gradient_predivide_factor if op is Average else 1.0
         self._hvddp_post = float(gradient_predivide_factor) if op is Average else 1.0
         self._hvddp_sparse_as_dense = bool(sparse_as_dense)
+        self._hvddp_sparse_params = set()  # known to get sparse gradients (here or on a peer)
+        self._hvddp_zero_filled = set()  # submitted as dense zeros this step, on their own
         self._hvddp_process_set = process_set
         seen = set()
         self._hvddp_params = []  # parameters that get reduced, in a fixed order
@@ -285,16 +289,19 @@ class _DistributedOptimizer:
         for p in params:
             self._hvddp_submitted.add(p)
             grad = p.grad
+            sparse = not self._hvddp_sparse_as_dense and (
+                grad.layout != torch.strided if grad is not None else p in self._hvddp_sparse_params)
+            if sparse:  # by allgather, one per parameter (also when grouped), under its own name
+                self._hvddp_sparse_params.add(p)
+                self._hvddp_flights.append(self._hvddp_sparse_flight(p, grad))
+                continue
             if grad is None:
                 # Other ranks may have a gradient for it (a branch not taken here): submit zeros
                 # so that every rank submits the same names.
                 grad = p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if gi is None:
+                    self._hvddp_zero_filled.add(p)
             if grad.layout != torch.strided:
-                if not self._hvddp_sparse_as_dense:
-                    name = self._hvddp_prefix + self._hvddp_names[p]
-                    handle = sparse_allreduce_async(grad, name, self._hvddp_op, self._hvddp_process_set)
-                    self._hvddp_flights.append(_Flight(handle, [(p, grad, None, True)]))
-                    continue
                 grad = grad.to_dense()
             sent, ctx = compression.compress(grad)
             dense.append((p, sent, ctx, False))
@@ -310,6 +317,25 @@ class _DistributedOptimizer:
                                               f"{self._hvddp_prefix}group.{gi}", self._hvddp_op,
                                               self._hvddp_pre, self._hvddp_post, ps)
         self._hvddp_flights.append(_Flight(handle, dense, gi is not None))
+
+    def _hvddp_sparse_flight(self, p: torch.Tensor, grad: Optional[torch.Tensor]) -> _Flight:
+        handle = sparse_rows_async(grad, p, self._hvddp_full_names[p], self._hvddp_op,
+                                   self._hvddp_process_set)
+        return _Flight(handle, [(p, grad, None, True)])
+
+    def _hvddp_sparse_retry(self, flight: _Flight, error: MismatchError) -> Optional[_Flight]:
+        """The sparse resubmission of a parameter that some ranks sent dense zeros for (no
+        gradient there this step) and others a sparse gradient: every rank got the same
+        MismatchError for its name, and now every rank knows the parameter is sparse."""
+        if KIND_MISMATCH not in str(error) or flight.grouped or not flight.items or len(flight.items) != 1:
+            return None
+        p, sent, _, sparse = flight.items[0]
+        if not sparse and p not in self._hvddp_zero_filled:
+            return None
+        self._hvddp_sparse_params.add(p)
+        if not sparse:
+            p.grad = None  # the zeros were a stand-in
+        return self._hvddp_sparse_flight(p, sent if sparse else None)
 
     # public API ---------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -332,12 +358,24 @@ class _DistributedOptimizer:
             if p not in self._hvddp_submitted and p not in self._hvddp_group_of:
                 self._hvddp_submit_one(p)
         flights, self._hvddp_flights = self._hvddp_flights, []
-        errors = []
+        errors, retries = [], []
         for flight in flights:
             try:
                 flight.finish(self._hvddp_compression)
+            except MismatchError as exc:
+                retry = self._hvddp_sparse_retry(flight, exc)
+                if retry is None:
+                    errors.append(exc)
+                else:
+                    retries.append(retry)
             except Exception as exc:  # wait for all before raising, so names are free again
                 errors.append(exc)
+        for flight in retries:
+            try:
+                flight.finish(self._hvddp_compression)
+            except Exception as exc:
+                errors.append(exc)
+        self._hvddp_zero_filled.clear()
         for p in self._hvddp_touched:
             self._hvddp_delay[p] = self._hvddp_bpps
         for p in self._hvddp_submitted:

@@ -12,6 +12,7 @@ import logging
 from collections import OrderedDict
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
+from ..exceptions import KIND_MISMATCH
 from .messages import JOIN_TOLERANT, Kind, Request, Response, ReduceOp
 
 log = logging.getLogger("hvddp")
@@ -196,7 +197,7 @@ class Coordinator:
         kinds = {r: q.kind.value for r, q in requests}
         if len(set(kinds.values())) > 1:
             return Response(first.kind, key[0], key[1],
-                            f"{key[1]!r} was submitted as different collectives: "
+                            f"{key[1]!r} {KIND_MISMATCH}: "
                             + ", ".join(f"rank {r} {k}" for r, k in kinds.items())
                             + ". Every rank must call the same collective under one name.", first)
         for field in _fields(first.kind):

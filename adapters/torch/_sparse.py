@@ -1,0 +1,66 @@
+"""Sparse gradients for ``DistributedOptimizer``: one allgather per parameter, under its own name.
+
+A sparse COO gradient travels as one byte array with a row per stored entry: the entry's
+indices (int64) followed by its values. One collective under the parameter's reduction name
+(not two, as ``sparse_allreduce_async`` uses) means a rank that got no gradient for the
+parameter this step, and so submits dense zeros by allreduce under that name, meets the sparse
+ranks' allgather in a ``MismatchError`` on every rank instead of a stall; the optimizer then
+knows the parameter is sparse and resubmits as ``sparse_rows_async(None, ...)`` (no rows).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+import hvddp
+from hvddp import Average, ProcessSet, ReduceOp
+
+from ._convert import Handle, as_numpy, as_tensor
+
+
+def sparse_rows_async(grad: Optional[torch.Tensor], param: torch.Tensor, name: str, op: ReduceOp,
+                      process_set: ProcessSet) -> Handle:
+    """Start gathering every rank's entries of a sparse gradient of ``param``.
+
+    ``grad`` is a sparse COO tensor, or None for a rank without a gradient (it contributes no
+    rows, shaped as an embedding's gradient: one sparse dimension). The result is an uncoalesced
+    sparse tensor of ``param``'s shape holding every rank's entries, values divided by the set's
+    size for Average; a rank whose rows differ in size raises ``MismatchError`` on every rank.
+    """
+    if grad is None:
+        sparse_dim = 1
+        indices = torch.empty((0, 1), dtype=torch.int64)
+        values = torch.empty((0,) + tuple(param.shape[1:]), dtype=param.dtype)
+    else:
+        grad = grad if grad.is_coalesced() else grad.coalesce()
+        sparse_dim = grad.sparse_dim()
+        indices = _fresh(grad.indices().t())
+        values = _fresh(grad.values())
+    nnz = indices.shape[0]
+    dense = tuple(values.shape[1:])
+    value_bytes = math.prod(dense) * values.element_size()
+    rows = torch.cat([indices.view(torch.uint8).reshape(nnz, sparse_dim * 8),
+                      values.reshape(nnz, math.prod(dense)).view(torch.uint8).reshape(nnz, value_bytes)],
+                     dim=1)
+    core = hvddp.allgather_async(as_numpy(rows), name, process_set)
+    size = process_set.size()
+
+    def finish(results):
+        gathered = as_tensor(results[0], rows)
+        total = gathered.shape[0]
+        all_indices = _fresh(gathered[:, :sparse_dim * 8]).view(torch.int64)
+        all_values = _fresh(gathered[:, sparse_dim * 8:]).view(values.dtype).reshape((total,) + dense)
+        if op == Average:
+            all_values = all_values / size
+        return torch.sparse_coo_tensor(all_indices.t(), all_values, param.shape, check_invariants=False)
+
+    return Handle(name, [core], finish)
+
+
+def _fresh(t: torch.Tensor) -> torch.Tensor:
+    """A row-major copy whose last stride is 1, as ``view(dtype)`` needs: ``contiguous()`` keeps
+    other strides on size-1 and empty dimensions."""
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t)
