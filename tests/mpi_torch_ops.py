@@ -3,6 +3,8 @@
 Inputs depend on the rank, so every rank checks the exact result of each collective.
 """
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -392,6 +394,35 @@ def test_broadcast_optimizer_state(kind):
     hvd.broadcast_optimizer_state(fresh, root_rank=N - 1)
     assert fresh.param_groups[0]["lr"] == pytest.approx((0.1 if kind == "sgd" else 0.01) * N)
     assert fresh.state_dict()["state"] == {}
+
+
+@pytest.mark.parametrize("target", ["wrapper", "wrapped"])
+def test_broadcast_and_load_keep_the_wrapper_sharing_with_its_optimizer(target):
+    """Wrap first, then broadcast the state (as Horovod's examples may order it) into the
+    wrapper or the optimizer it wraps: both keep sharing param_groups and state, so an LR
+    scheduler made on the wrapped optimizer drives every rank alike. The same after the
+    wrapper's own load_state_dict."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    base = torch.optim.SGD(model.parameters(), lr=0.1 * (R + 1), momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(base, step_size=1, gamma=0.5)
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt if target == "wrapper" else base, root_rank=0)
+    assert opt.param_groups is base.param_groups and opt.state is base.state
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "lr_scheduler.step() before optimizer.step()" too
+        for step in range(3):
+            opt.zero_grad()
+            model(torch.full((2, 3), float(R + step))).sum().backward()
+            opt.step()
+            sched.step()
+    assert hvd.allgather_object(base.param_groups[0]["lr"]) == [0.1 * 0.5 ** 3] * N
+    opt.load_state_dict(opt.state_dict())
+    assert opt.param_groups is base.param_groups and opt.state is base.state
+    assert len(base.state) == 2 and all("momentum_buffer" in v for v in base.state.values())
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert_equal(weights, hvd.broadcast(weights, 0, name=f"share.check.{target}"))
 
 
 # errors ----------------------------------------------------------------------------------------

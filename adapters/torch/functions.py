@@ -11,6 +11,7 @@ import hvddp
 from hvddp import ProcessSet, global_process_set
 
 from .mpi_ops import broadcast_async_, synchronize
+from .optimizer import load_in_place
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
            "allgather_object"]
@@ -131,8 +132,9 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
         state[key] = entry
     for handle in handles:
         synchronize(handle)
-    if not is_root:
-        optimizer.load_state_dict({"state": state, "param_groups": skeleton["param_groups"]})
+    if not is_root:  # in place: a wrapper, its wrapped optimizer and schedulers keep sharing
+        load_in_place(optimizer, {"state": state, "param_groups": skeleton["param_groups"]},
+                      optimizer.load_state_dict)
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,

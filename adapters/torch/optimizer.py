@@ -62,6 +62,24 @@ def _defer_cpu_gradients() -> bool:
         return False
 
 
+def load_in_place(optimizer: torch.optim.Optimizer, state_dict: dict, load: Callable[[dict], None]) -> None:
+    """``load(state_dict)``, then move what it loaded into the optimizer's previous
+    ``param_groups`` list, group dicts and ``state`` mapping: torch's ``load_state_dict`` makes
+    new ones, which would cut off whatever shares the old (a DistributedOptimizer and the
+    optimizer it wraps, an LR scheduler holding either)."""
+    groups, state = optimizer.param_groups, optimizer.state
+    load(state_dict)
+    if optimizer.param_groups is not groups:
+        for old, new in zip(groups, optimizer.param_groups):
+            old.clear()
+            old.update(new)
+        optimizer.param_groups = groups
+    if optimizer.state is not state:
+        state.clear()
+        state.update(optimizer.state)
+        optimizer.state = state
+
+
 def _split_list(items: list, n: int) -> List[list]:
     d, r = divmod(len(items), n)
     return [items[i * d + min(i, r):(i + 1) * d + min(i + 1, r)] for i in range(n)]
@@ -230,6 +248,12 @@ class _DistributedOptimizer:
             if group:
                 out.append(list(group))
         return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load as the wrapped class does, into the ``param_groups`` and ``state`` objects this
+        optimizer shares with the wrapped one (so an LR scheduler made on either still drives
+        both)."""
+        load_in_place(self, state_dict, super().load_state_dict)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a parameter group (as the wrapped optimizer does) and reduce its gradients too."""
@@ -421,7 +445,12 @@ class _DistributedOptimizer:
             elif not (self._hvddp_synchronized and not self._hvddp_touched):
                 self.synchronize()
         self._hvddp_synchronized = False
-        return super().step(closure)
+        loss = super().step(closure)
+        wrapped = getattr(self, "_hvddp_wrapped", None)
+        wrapped = wrapped() if wrapped is not None else None
+        if wrapped is not None:  # an LR scheduler made on it checks that it stepped (torch >= 2.2)
+            wrapped._opt_called = True
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients as the wrapped optimizer does (``set_to_none`` as in torch).
@@ -510,4 +539,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                              if k not in ("step", "zero_grad")})
     wrapper._hvddp_setup(named_parameters, compression, backward_passes_per_step, op,
                          gradient_predivide_factor, groups, sparse_as_dense, process_set)
+    wrapper._hvddp_wrapped = weakref.ref(optimizer)
     return wrapper
