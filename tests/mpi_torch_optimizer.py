@@ -199,6 +199,38 @@ def test_sparse_gradients_both_ways():
         assert_replicas_identical(model, f"sparse.{as_dense}")
 
 
+@pytest.mark.parametrize("added_later", [False, True])
+def test_parameters_unfrozen_after_wrapping_are_reduced(added_later):
+    """fc1 frozen when the optimizer is wrapped (or in a group added later), unfrozen after two
+    steps: from then on its gradient is averaged like the others (parity, identical replicas)."""
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    for m in (ref, model):
+        m.fc1.requires_grad_(False)
+    make = OPTIMIZERS["sgd"]
+    ref_opt = make(ref.parameters())
+    if added_later:
+        inner = make(model.fc2.parameters())
+        opt = hvd.DistributedOptimizer(inner, named_parameters=model.fc2.named_parameters())
+        opt.add_param_group({"params": list(model.fc1.parameters())})
+    else:
+        opt = hvd.DistributedOptimizer(make(model.parameters()), named_parameters=model.named_parameters())
+    for step in range(STEPS):
+        if step == 2:
+            for m in (ref, model):
+                m.fc1.requires_grad_(True)
+        x, y = batch(step)
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        sum(shard_loss(ref, x, y, s) for s in range(N)).div(N).backward()
+        shard_loss(model, x, y, R).backward()
+        ref_opt.step()
+        opt.step()
+    assert_parity(model, ref)
+    assert_replicas_identical(model, f"unfrozen.{added_later}")
+
+
 def test_sparse_parameter_without_a_gradient_on_some_ranks():
     """A sparse embedding that only some ranks use in a step: the others have no gradient and
     submit dense zeros, meet the sparse ranks' allgather in a MismatchError, and every rank

@@ -206,6 +206,8 @@ class _DistributedOptimizer:
             if p.requires_grad and p not in seen:
                 seen.add(p)
                 self._hvddp_params.append(p)
+        # frozen now: reduced from the first synchronize() after they are unfrozen
+        self._hvddp_frozen = [p for p in self._hvddp_names if not p.requires_grad]
         self._hvddp_groups = self._hvddp_make_groups(groups)
         self._hvddp_group_of = {p: gi for gi, members in enumerate(self._hvddp_groups) for p in members}
         self._hvddp_delay: Dict[torch.Tensor, int] = {p: self._hvddp_bpps for p in self._hvddp_params}
@@ -262,10 +264,13 @@ class _DistributedOptimizer:
             return  # called from the wrapped class's __init__, before set-up
         gi = len(self.param_groups) - 1
         for j, p in enumerate(self.param_groups[-1]["params"]):
-            if p in self._hvddp_names or not p.requires_grad:
+            if p in self._hvddp_names:
                 continue
             self._hvddp_names[p] = f"noname.{gi}.{j}"
             self._hvddp_full_names[p] = self._hvddp_prefix + self._hvddp_names[p]
+            if not p.requires_grad:
+                self._hvddp_frozen.append(p)
+                continue
             self._hvddp_params.append(p)
             self._hvddp_delay[p] = self._hvddp_bpps
             if self._hvddp_active:
@@ -342,6 +347,15 @@ class _DistributedOptimizer:
                                               self._hvddp_pre, self._hvddp_post, ps)
         self._hvddp_flights.append(_Flight(handle, dense, gi is not None))
 
+    def _hvddp_adopt_unfrozen(self) -> None:
+        """Reduce (and hook) the parameters that were frozen at wrapping and are trainable now;
+        every rank runs the same script, so every rank adopts them at the same step."""
+        for p in [p for p in self._hvddp_frozen if p.requires_grad]:
+            self._hvddp_frozen.remove(p)
+            self._hvddp_params.append(p)
+            self._hvddp_delay[p] = self._hvddp_bpps
+            self._hvddp_hooks.append(p.register_post_accumulate_grad_hook(self._hvddp_hook_fn))
+
     def _hvddp_sparse_flight(self, p: torch.Tensor, grad: Optional[torch.Tensor]) -> _Flight:
         handle = sparse_rows_async(grad, p, self._hvddp_full_names[p], self._hvddp_op,
                                    self._hvddp_process_set)
@@ -375,6 +389,8 @@ class _DistributedOptimizer:
         if not self._hvddp_active:
             self._hvddp_synchronized = True
             return
+        if self._hvddp_frozen:
+            self._hvddp_adopt_unfrozen()
         for gi, members in enumerate(self._hvddp_groups):
             if members[0] not in self._hvddp_submitted:
                 self._hvddp_submit(members, gi)
