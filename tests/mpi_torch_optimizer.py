@@ -68,6 +68,17 @@ def assert_parity(model, ref, rtol=1e-5, atol=1e-6):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
+def train_step(model, ref, opt, ref_opt, step: int) -> None:
+    """One step of the reference (all B rows, one process) and of this rank (its shard)."""
+    ref_opt.zero_grad()
+    opt.zero_grad()
+    x, y = batch(step)
+    sum(shard_loss(ref, x, y, s) for s in range(N)).div(N).backward()
+    shard_loss(model, x, y, R).backward()
+    ref_opt.step()
+    opt.step()
+
+
 def shard_loss(model, x, y, s):
     return F.mse_loss(model(shard(x, s), use_branch=getattr(model, "branch", None) is not None and s == 0),
                       shard(y, s))
@@ -132,13 +143,7 @@ def test_parity_groups(groups):
     opt = hvd.DistributedOptimizer(OPTIMIZERS["sgd"](model.parameters()),
                                    named_parameters=model.named_parameters(), groups=grouping)
     for step in range(STEPS):
-        ref_opt.zero_grad()
-        opt.zero_grad()
-        x, y = batch(step)
-        sum(shard_loss(ref, x, y, s) for s in range(N)).div(N).backward()
-        shard_loss(model, x, y, R).backward()
-        ref_opt.step()
-        opt.step()
+        train_step(model, ref, opt, ref_opt, step)
     assert_parity(model, ref)
     assert_replicas_identical(model, f"groups.{groups}")
 
@@ -220,13 +225,7 @@ def test_parameters_unfrozen_after_wrapping_are_reduced(added_later):
         if step == 2:
             for m in (ref, model):
                 m.fc1.requires_grad_(True)
-        x, y = batch(step)
-        ref_opt.zero_grad()
-        opt.zero_grad()
-        sum(shard_loss(ref, x, y, s) for s in range(N)).div(N).backward()
-        shard_loss(model, x, y, R).backward()
-        ref_opt.step()
-        opt.step()
+        train_step(model, ref, opt, ref_opt, step)
     assert_parity(model, ref)
     assert_replicas_identical(model, f"unfrozen.{added_later}")
 
