@@ -430,13 +430,19 @@ def grouped_allgather(tensors: Sequence[np.ndarray], name: Optional[str] = None,
 
 
 # broadcast --------------------------------------------------------------------------------
-def _broadcast(fn: str, tensor, root_rank, name, process_set, inplace: bool) -> Handle:
-    state, view = _process_set(process_set, fn)
+def _root(fn: str, root_rank, view, process_set) -> int:
+    """``root_rank`` checked against the set (an int in [0, size)), for ``fn``'s errors."""
     if isinstance(root_rank, bool) or not isinstance(root_rank, numbers.Integral):
         raise TypeError(f"{fn}: root_rank must be an int, got {type(root_rank).__name__} {root_rank!r}.")
     root_rank = int(root_rank)
     if not 0 <= root_rank < view.size:
         raise ValueError(f"{fn}: root_rank must be in [0, {view.size}) for {process_set!r}, got {root_rank}.")
+    return root_rank
+
+
+def _broadcast(fn: str, tensor, root_rank, name, process_set, inplace: bool) -> Handle:
+    state, view = _process_set(process_set, fn)
+    root_rank = _root(fn, root_rank, view, process_set)
     name = _check_name(name, fn) or _auto_name("broadcast")
     array = _array(tensor, fn)
     if inplace and not isinstance(tensor, np.ndarray) and not hasattr(array, "dtype_name"):
@@ -605,6 +611,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
     """Return ``root_rank``'s picklable ``obj`` on every rank (two broadcasts: size, bytes)."""
     name = _check_name(name, "broadcast_object") or _auto_name("broadcast_object")
     _, view = _process_set(process_set, "broadcast_object")
+    root_rank = _root("broadcast_object", root_rank, view, process_set)
     is_root = view.rank == root_rank
     data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if is_root else None
     length = np.array([data.size if is_root else 0], dtype=np.int64)
