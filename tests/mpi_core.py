@@ -248,6 +248,7 @@ MISMATCHES = {
     "trailing shape": lambda: hvddp.allgather(np.ones((1, 1 + R)), name="mm.gather"),
     "collectives": lambda: (hvddp.allreduce(np.ones(2), name="mm.kind") if R else
                             hvddp.allgather(np.ones(2), name="mm.kind")),
+    "group": lambda: hvddp.grouped_allreduce([np.ones(2)] * (2 + R), name="mm.group"),
 }
 
 
@@ -259,6 +260,8 @@ def test_mismatch_raises_on_every_rank_naming_field_and_values(field):
         MISMATCHES[field]()
     message = str(info.value)
     assert field in message and "rank 0" in message and "rank 1" in message, message
+    if field == "group":
+        assert "rank 0 a group of 2, rank 1 a group of 3" in message, message
     assert isinstance(info.value, RuntimeError)
     # the engine keeps working
     np.testing.assert_array_equal(hvddp.allreduce(np.ones(2), name=f"after.{field}", op=hvddp.Sum), np.full(2, N))

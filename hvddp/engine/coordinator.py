@@ -63,7 +63,7 @@ def _value(request: Request, field: str):
     if field == "op":
         return ReduceOp(request.op)
     if field == "group":
-        return None if request.group is None else request.group[1]
+        return "not grouped" if request.group is None else f"a group of {request.group[1]}"
     return getattr(request, field)
 
 
