@@ -15,7 +15,10 @@
 A checkpoint holds the model's and optimizer's (and an LR scheduler's) state dicts, the epoch
 and step, any ``extra`` you pass, and the RNG state of every rank (Python ``random``, NumPy's
 global generator, torch's CPU generator and the CUDA generators), so that a job restarted from it
-continues exactly as the uninterrupted job would have: same dropout masks, same shuffles.
+continues exactly as the uninterrupted job would have: same dropout masks, same shuffles. The
+model's state dict is rank 0's: buffers that replicas keep apart (plain ``BatchNorm`` running
+statistics, each rank's from its own shard) come back as rank 0's on every rank; ``SyncBatchNorm``
+keeps them equal everywhere, so its runs resume bit-identically.
 
 Both functions are collective: every rank calls them. ``save_checkpoint`` gathers the RNG
 states, rank 0 serializes with ``torch.save`` and writes through
