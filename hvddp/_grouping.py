@@ -7,55 +7,43 @@ the torch and JAX backends can use it without importing TensorFlow, and the bodi
 
 from __future__ import annotations
 
-import hashlib
 import re
-from typing import Any, List, Optional, Sequence, Set
+from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
 import hvddp
 
-_checked: Set[str] = set()
-
-
-def group_name(prefix: str, labels: Sequence[str]) -> str:
-    """Return a name for a group of tensors that depends only on their labels (paths)."""
-    digest = hashlib.blake2b("\x00".join(labels).encode(), digest_size=6).hexdigest()
-    return f"{prefix}.{digest}"
-
-
-def check_group_once(base: str, labels: Sequence[str], shapes: Sequence[tuple], dtypes: Sequence[str],
+def check_same_lists(name: str, labels: Sequence[str], shapes: Sequence[tuple], dtypes: Sequence[str],
                      process_set: Any) -> None:
-    """On the first use of ``base`` in this process, check every rank reduces the same list.
+    """Check that every rank passes as many tensors, of the same shapes and dtypes, in order.
 
-    Ranks whose variable lists differ would otherwise wait on different group names until the
-    stall warning. Costs one small ``allgather_object`` per distinct group.
+    Collective: one small ``allgather_object`` named ``name``. Labels (variable paths) only
+    name the tensors in the message: Keras numbers its layers per process (``dense_1`` on a rank
+    that built one layer more), so the same model may carry different paths on different ranks.
 
     Raises:
         hvddp.MismatchError: the lists differ; the message names the first difference.
     """
-    if base in _checked:
-        return
-    prefix = base.rsplit(".", 1)[0]
-    index = sum(1 for b in _checked if b.rsplit(".", 1)[0] == prefix)
     mine = [(label, tuple(int(d) for d in shape), str(dtype))
             for label, shape, dtype in zip(labels, shapes, dtypes)]
-    every = hvddp.allgather_object(mine, name=f"{prefix}.check.{index}", process_set=process_set)
+    every = hvddp.allgather_object(mine, name=name, process_set=process_set)
     for rank, theirs in enumerate(every):
-        if theirs != every[0]:
-            raise hvddp.MismatchError(_describe(every[0], theirs, rank))
-    _checked.add(base)
+        message = _describe(every[0], theirs, rank)
+        if message:
+            raise hvddp.MismatchError(message)
 
 
 def _describe(first: list, other: list, rank: int) -> str:
+    """What differs between rank 0's list and ``rank``'s (shapes and dtypes), or ''."""
     if len(first) != len(other):
-        return (f"ranks reduce different numbers of gradients: rank 0 has {len(first)}, rank {rank} "
+        return (f"ranks reduce different numbers of tensors: rank 0 has {len(first)}, rank {rank} "
                 f"has {len(other)}. Every rank must build the same model and pass the same variables.")
-    for (l0, s0, d0), (l1, s1, d1) in zip(first, other):
-        if (l0, s0, d0) != (l1, s1, d1):
-            return (f"gradient lists differ across ranks: rank 0 has {l0!r} {s0} {d0}, rank {rank} "
-                    f"has {l1!r} {s1} {d1}. Every rank must build the same model.")
-    return "gradient lists differ across ranks."
+    for i, ((l0, s0, d0), (l1, s1, d1)) in enumerate(zip(first, other)):
+        if (s0, d0) != (s1, d1):
+            return (f"tensor lists differ across ranks at position {i}: rank 0 has {l0!r} {s0} {d0}, "
+                    f"rank {rank} has {l1!r} {s1} {d1}. Every rank must build the same model.")
+    return ""
 
 
 def reduce_group(arrays: Sequence[np.ndarray], base: str, labels: Sequence[str], op: Any,
@@ -63,8 +51,12 @@ def reduce_group(arrays: Sequence[np.ndarray], base: str, labels: Sequence[str],
                  process_set: Any) -> List[np.ndarray]:
     """Compress, reduce as one grouped allreduce named ``base``, decompress; keep dtypes.
 
+    ``base`` is fixed per caller (not derived from the tensors): ranks whose lists differ then
+    meet under one name and get a ``MismatchError`` on every rank, where names derived from the
+    lists would leave each rank waiting on a name the others never submit.
+
     Raises:
-        hvddp.HvddpError: the reduction failed; a mismatch names the variable behind the member.
+        hvddp.HvddpError: the reduction failed; a mismatch names the variables that differ.
     """
     arrays = [np.asarray(a) for a in arrays]
     compressed, ctxs = [], []
@@ -75,8 +67,14 @@ def reduce_group(arrays: Sequence[np.ndarray], base: str, labels: Sequence[str],
     try:
         reduced = hvddp.grouped_allreduce(compressed, name=base, op=op, prescale_factor=prescale_factor,
                                           postscale_factor=postscale_factor, process_set=process_set)
-    except hvddp.MismatchError as exc:
-        raise hvddp.MismatchError(_name_member(str(exc), base, labels)) from None
+    except hvddp.MismatchError as exc:  # on every rank alike: compare the lists to say where
+        message = _name_member(str(exc), base, labels)
+        try:
+            check_same_lists(f"{base}.explain", labels, [a.shape for a in arrays],
+                             [a.dtype.name for a in arrays], process_set)
+        except hvddp.MismatchError as detail:
+            message = f"{detail} ({message})"
+        raise hvddp.MismatchError(message) from None
     if len(compressed) == 1 and not isinstance(reduced, list):
         reduced = [reduced]  # the core returns a bare array for a one-member group
     return [np.asarray(compression.decompress(r, ctx), dtype=a.dtype)

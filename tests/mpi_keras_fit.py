@@ -335,3 +335,38 @@ def test_mismatched_models_raise_on_every_rank():
     x, y = global_data()
     with pytest.raises(Exception, match="differ across ranks"):
         model.fit(shard(x), shard(y), batch_size=GLOBAL_BATCH // SIZE, epochs=1, verbose=0)
+
+
+def test_same_model_with_different_layer_numbering_trains_together():
+    """Keras numbers layers per process: rank 0 builds one layer more first, so its model's
+    paths read dense_1/... where the others read dense/.... The broadcast and the gradient
+    groups do not depend on paths: training works and the replicas end identical."""
+    if RANK == 0:
+        layers.Dense(2)  # takes the name "dense" on rank 0 only
+    model = make_model(seed=RANK)  # different initial weights: the broadcast must equalise them
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                  loss="sparse_categorical_crossentropy")
+    x, y = global_data()
+    model.fit(shard(x), shard(y), batch_size=GLOBAL_BATCH // SIZE, epochs=1, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    assert_replicas_identical(model.get_weights(), "numbering")
+
+
+def test_lists_that_diverge_after_good_steps_raise_on_every_rank():
+    """A rank that freezes a layer after training together has fewer gradients: every rank
+    raises MismatchError naming the difference (no per-process check that only some repeat)."""
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    model = make_model(unused=False)
+    x, y = global_data()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                  loss="sparse_categorical_crossentropy")
+    model.fit(shard(x), shard(y), batch_size=GLOBAL_BATCH // SIZE, epochs=1, verbose=0)
+    if RANK == SIZE - 1:
+        model.layers[0].trainable = False
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                  loss="sparse_categorical_crossentropy")
+    # a MismatchError; TensorFlow and JAX re-raise what their callbacks raise as their own errors
+    with pytest.raises(Exception, match="different numbers of tensors"):
+        model.fit(shard(x), shard(y), batch_size=GLOBAL_BATCH // SIZE, epochs=1, verbose=0)
+    assert hvd.allgather_object("after") == ["after"] * SIZE  # and the engine goes on

@@ -174,3 +174,30 @@ def test_tape_mismatch_names_the_variable():
     tape = hvd.DistributedGradientTape(tape)
     with pytest.raises(hvd.MismatchError, match="odd_one"):
         tape.gradient(loss, [v])
+
+
+def test_tape_in_a_function_with_unknown_static_shapes():
+    """A watched input of unknown length inside tf.function: the reduction runs at run time on
+    the concrete shapes (nothing needs the static shape when the function is traced)."""
+    w = tf.Variable([1.0, 2.0], name="w_unknown")
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32)])
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(x * w[0]) * (RANK + 1)
+        tape = hvd.DistributedGradientTape(tape)
+        return tape.gradient(loss, [w, x])
+
+    mean = (SIZE + 1) / 2  # the average of (rank + 1)
+    gw, gx = step(tf.constant([1.0, 2.0, 3.0]))
+    np.testing.assert_allclose(gw.numpy(), [6.0 * mean, 0.0])
+    np.testing.assert_allclose(gx.numpy(), [mean] * 3)
+
+
+def test_broadcast_variables_of_models_that_differ_raises_on_every_rank():
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    variables = [tf.Variable(tf.zeros([2])), tf.Variable(tf.zeros([3 + (RANK == SIZE - 1)]))]
+    with pytest.raises(hvd.MismatchError, match="position 1"):
+        hvd.broadcast_variables(variables, root_rank=0)

@@ -123,12 +123,8 @@ def reduce_gradients(grads: Sequence[Any], variables: Sequence[Any], labels: Seq
         size = process_set.size()
         red_op, pre, post = _grouping.average_factors(op, gradient_predivide_factor, size)
         post *= postscale
-        base = _grouping.group_name(prefix, labels)
-        _grouping.check_group_once(base, labels, [tuple(g.shape) for g in tensors],
-                                   [_dtype_name(g) for g in tensors], process_set)
-
         def fn(*arrays):
-            return _grouping.reduce_group(arrays, base, labels, red_op, pre, post, compression, process_set)
+            return _grouping.reduce_group(arrays, prefix, labels, red_op, pre, post, compression, process_set)
 
         return call(fn, tensors)
 
@@ -137,12 +133,6 @@ def reduce_gradients(grads: Sequence[Any], variables: Sequence[Any], labels: Seq
 
         reduce = torch.compiler.disable(reduce)  # torch.compile: run the exchange outside the graph
     return reduce(*grads)
-
-
-def _dtype_name(t: Any) -> str:
-    import keras
-
-    return keras.backend.standardize_dtype(t.dtype)
 
 
 def to_numpy(value: Any) -> np.ndarray:

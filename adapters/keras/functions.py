@@ -96,9 +96,10 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int = 0,
                         process_set: ProcessSet = global_process_set, prefix: str = "keras.bcast") -> None:
     """Assign ``root_rank``'s values to Keras ``variables`` on every rank; call eagerly.
 
-    Every rank passes the same variables in the same order (e.g. ``model.variables``). They
-    are named from their position and path, so a different model on some rank is an error that
-    names the variable, not a hang.
+    Every rank passes the same variables in the same order (e.g. ``model.variables``). One
+    small exchange first compares the lists (count, shapes, dtypes; paths may differ, as Keras
+    numbers layers per process), so a different model on some rank is an error on every rank
+    that names the variable, not a hang.
 
     Args:
         variables: Keras variables (any backend).
@@ -109,9 +110,11 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int = 0,
     """
     variables = list(variables)
     values = [np.array(_backend.to_numpy(v)) for v in variables]
-    handles = [hvddp.broadcast_async(_wire(value), root_rank, name=f"{prefix}.{i}.{getattr(v, 'path', '')}",
-                                     process_set=process_set)
-               for i, (v, value) in enumerate(zip(variables, values))]
+    _grouping.check_same_lists(f"{prefix}.check", [getattr(v, "path", f"variable {i}") for i, v in
+                                                   enumerate(variables)],
+                               [a.shape for a in values], [a.dtype.name for a in values], process_set)
+    handles = [hvddp.broadcast_async(_wire(value), root_rank, name=f"{prefix}.{i}", process_set=process_set)
+               for i, value in enumerate(values)]
     for v, value, handle in zip(variables, values, handles):
         v.assign(handle.wait().view(value.dtype))
 

@@ -16,7 +16,8 @@ __all__ = ["DistributedGradientTape", "source_label"]
 
 
 def source_label(source: Any, index: int) -> str:
-    """Return the name that identifies ``source``'s gradient across ranks.
+    """Return how error messages name ``source``'s gradient (not a collective's name: paths may
+    differ across ranks of one model).
 
     Keras variables use ``variable.path``; ``tf.Variable`` its ``name``; other sources their
     position in the list.
@@ -71,7 +72,7 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
 
     The result is a ``tf.GradientTape`` (of a subclass of the tape's class) sharing the tape's
     recording; wrap it after the ``with`` block, or wrap a fresh tape and enter the wrapper.
-    All of a call's gradients go to the engine as one group, named from the variables' paths.
+    All of a call's gradients go to the engine as one group, under one fixed name.
 
     Args:
         gradtape: the ``tf.GradientTape`` to wrap.

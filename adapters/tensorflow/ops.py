@@ -184,7 +184,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, de
 def reduce_gradients(grads: Sequence[Any], sources: Sequence[Any], labels: Sequence[str], prefix: str,
                      op: Any, gradient_predivide_factor: float, compression: Any,
                      process_set: ProcessSet) -> List[tf.Tensor]:
-    """Average a step's gradients as one grouped submission named from the variables' paths.
+    """Average a step's gradients as one grouped submission named ``prefix``.
 
     ``None`` gradients are reduced as zeros (every rank submits the same names), so the result
     is never ``None``. Used by ``DistributedGradientTape`` and ``hvddp.keras``.
@@ -200,10 +200,7 @@ def reduce_gradients(grads: Sequence[Any], sources: Sequence[Any], labels: Seque
         return []
     size = _size(process_set)
     red_op, pre, post = _grouping.average_factors(op, gradient_predivide_factor, size)
-    base = _grouping.group_name(prefix, labels)
-    _grouping.check_group_once(base, labels, [tuple(t.shape) for t in dense],
-                               [t.dtype.name for t in dense], process_set)
-    return _grouped_raw(dense, base, labels, red_op, pre, post, compression, process_set)
+    return _grouped_raw(dense, prefix, labels, red_op, pre, post, compression, process_set)
 
 
 # allgather --------------------------------------------------------------------------------
