@@ -370,3 +370,29 @@ def test_lists_that_diverge_after_good_steps_raise_on_every_rank():
     with pytest.raises(Exception, match="different numbers of tensors"):
         model.fit(shard(x), shard(y), batch_size=GLOBAL_BATCH // SIZE, epochs=1, verbose=0)
     assert hvd.allgather_object("after") == ["after"] * SIZE  # and the engine goes on
+
+
+def test_reloaded_model_sums_accumulated_passes_as_before():
+    """backward_passes_per_step=2 is saved as Keras' gradient_accumulation_steps; load_model
+    must sum the passes again (Horovod's rule), so the reloaded model steps as the original."""
+    per = GLOBAL_BATCH // SIZE
+    rng = np.random.default_rng(10 + RANK)  # four batches of this rank's own data
+    x = rng.normal(size=(4 * per, 5)).astype("float32")
+    y = rng.integers(0, 3, size=(4 * per,)).astype("int32")
+    model = make_model(unused=False)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2),
+                  loss="sparse_categorical_crossentropy")
+    model.fit(x[:2 * per], y[:2 * per], batch_size=per, shuffle=False, verbose=0)
+    directory = hvd.broadcast_object(tempfile.mkdtemp() if RANK == 0 else None, 0, name="test.bppsdir")
+    path = os.path.join(directory, "bpps.keras")
+    if RANK == 0:
+        model.save(path)
+    hvd.barrier()
+    again = hvd.load_model(path)
+    before = model.get_weights()
+    for m in (model, again):
+        m.fit(x[2 * per:], y[2 * per:], batch_size=per, shuffle=False, verbose=0)
+    assert not np.allclose(model.get_weights()[0], before[0])  # the two passes made one update
+    for a, b in zip(again.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    hvd.barrier()

@@ -243,18 +243,15 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
         raise ValueError(f"DistributedOptimizer: backward_passes_per_step must be an int >= 1; "
                          f"Received: backward_passes_per_step={backward_passes_per_step!r}.")
     config = optimizer.get_config()
-    postscale = 1.0
     if backward_passes_per_step > 1:
-        target = config if "gradient_accumulation_steps" in config else config.get("inner_optimizer", {}).get(
-            "config", {})
+        target = _accumulation_config(config)
         existing = target.get("gradient_accumulation_steps")
         if existing not in (None, backward_passes_per_step):
             raise ValueError(f"DistributedOptimizer: the optimizer already has gradient_accumulation_steps="
                              f"{existing}; Received: backward_passes_per_step={backward_passes_per_step}.")
         target["gradient_accumulation_steps"] = backward_passes_per_step
-        if not average_aggregated_gradients:
-            postscale = float(backward_passes_per_step)  # Keras averages the passes; Horovod sums
-    settings = _settings(op, gradient_predivide_factor, compression, process_set, postscale)
+    settings = _settings(op, gradient_predivide_factor, compression, process_set,
+                         _passes_postscale(config, average_aggregated_gradients))
     if name is not None:
         config["name"] = name
     cls = _distributed_class(type(optimizer))
@@ -267,20 +264,37 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
     return wrapped
 
 
+def _accumulation_config(config: dict) -> dict:
+    """The config dict that holds ``gradient_accumulation_steps`` (a LossScaleOptimizer's inner)."""
+    if "gradient_accumulation_steps" in config:
+        return config
+    return config.get("inner_optimizer", {}).get("config", {})
+
+
+def _passes_postscale(config: dict, average_aggregated_gradients: bool) -> float:
+    """Keras averages accumulated passes; Horovod sums them unless told to average."""
+    steps = _accumulation_config(config).get("gradient_accumulation_steps") or 1
+    return 1.0 if average_aggregated_gradients else float(steps)
+
+
 def load_model(filepath: Any, custom_optimizers: Optional[List[type]] = None,
                custom_objects: Optional[Dict[str, Any]] = None, compression: Any = Compression.none,
                op: Any = hvddp.Average, gradient_predivide_factor: float = 1.0,
-               process_set: ProcessSet = global_process_set, **kwargs: Any) -> keras.Model:
+               process_set: ProcessSet = global_process_set, average_aggregated_gradients: bool = False,
+               **kwargs: Any) -> keras.Model:
     """Load a model saved with ``model.save`` and make its optimizer average across ranks.
 
     The optimizer keeps its restored state (slots, iteration count). Every rank loads the file
-    (save it on rank 0, then reach a ``hvd.barrier()`` or similar before loading).
+    (save it on rank 0, then reach a ``hvd.barrier()`` or similar before loading). A saved
+    ``gradient_accumulation_steps`` (``backward_passes_per_step``) sums the passes again, as
+    ``DistributedOptimizer`` did, unless ``average_aggregated_gradients``.
 
     Args:
         filepath: the ``.keras`` file.
         custom_optimizers: optimizer classes defined by the user, registered by class name.
         custom_objects: passed to ``keras.models.load_model``.
-        compression, op, gradient_predivide_factor, process_set: as in ``DistributedOptimizer``.
+        compression, op, gradient_predivide_factor, process_set, average_aggregated_gradients:
+            as in ``DistributedOptimizer``.
         **kwargs: passed to ``keras.models.load_model``.
     """
     objects = dict(custom_objects or {})
@@ -289,7 +303,8 @@ def load_model(filepath: Any, custom_optimizers: Optional[List[type]] = None,
     model = keras.models.load_model(filepath, custom_objects=objects or None, **kwargs)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and not is_distributed(optimizer):
-        settings = _settings(op, gradient_predivide_factor, compression, process_set)
+        settings = _settings(op, gradient_predivide_factor, compression, process_set,
+                             _passes_postscale(optimizer.get_config(), average_aggregated_gradients))
         optimizer.__class__ = _distributed_class(type(optimizer))
         object.__setattr__(optimizer, "_hvddp", settings)
     return model
