@@ -298,6 +298,28 @@ def test_jit_compile():
         assert_replicas_identical(model.get_weights(), "jit")
 
 
+def test_scalar_weights_and_tensors_keep_their_shape():
+    """0-d tensors come back 0-d on every backend, so a model with a scalar weight trains."""
+    scalar = hvd.allreduce(ops.convert_to_tensor(np.float32(RANK)), name="test.scalar")
+    assert tuple(scalar.shape) == ()
+    np.testing.assert_allclose(ops.convert_to_numpy(scalar), (SIZE - 1) / 2)
+
+    class Scale(layers.Layer):
+        def build(self, shape):
+            self.t = self.add_weight(shape=(), initializer="ones", name="temperature")
+
+        def call(self, x):
+            return x * self.t
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,)), layers.Dense(3), Scale()])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    x, _ = global_data()
+    model.fit(shard(x), shard(x)[:, :3], batch_size=GLOBAL_BATCH // SIZE, epochs=1, verbose=0)
+    assert tuple(model.layers[-1].t.shape) == ()
+    assert_replicas_identical(model.get_weights(), "scalar")
+
+
 def test_helpers_on_numpy_and_tensors():
     value = np.arange(4, dtype="float32") + 100 * RANK
     mean = np.arange(4) + 100 * (SIZE - 1) / 2

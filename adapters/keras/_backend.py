@@ -50,7 +50,9 @@ def _torch_to_numpy(t: Any) -> np.ndarray:
 def _torch_from_numpy(a: np.ndarray, like: Any) -> Any:
     import torch
 
-    a = np.ascontiguousarray(a)
+    a = np.asarray(a)
+    if not a.flags.c_contiguous:  # (np.ascontiguousarray would make a 0-d array 1-d)
+        a = a.copy(order="C")
     if a.dtype.name == "bfloat16":
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(like.device)
     return torch.from_numpy(a).to(like.device)
