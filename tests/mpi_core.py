@@ -267,6 +267,18 @@ def test_mismatch_raises_on_every_rank_naming_field_and_values(field):
     np.testing.assert_array_equal(hvddp.allreduce(np.ones(2), name=f"after.{field}", op=hvddp.Sum), np.full(2, N))
 
 
+def test_groups_of_different_sizes_fail_whole_and_free_every_name():
+    """The ranks with more members must not keep the extra ones pending: the same group name
+    works again right after the mismatch (and nothing is left to report as stalled)."""
+    if N == 1:
+        pytest.skip("needs two ranks")
+    with pytest.raises(hvddp.MismatchError, match="group differs"):
+        hvddp.grouped_allreduce([np.ones(2)] * (2 + (R == N - 1)), name="mm.regroup")
+    again = hvddp.grouped_allreduce([np.ones(2)] * 3, op=hvddp.Sum, name="mm.regroup")
+    for out in again:
+        np.testing.assert_array_equal(out, np.full(2, N))
+
+
 def test_mismatch_on_a_cached_name_after_many_good_steps():
     for _ in range(5):
         hvddp.allreduce(np.ones(4), name="cached.then.bad")

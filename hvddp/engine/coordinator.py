@@ -157,6 +157,7 @@ class Coordinator:
                                f"allreduce and barrier accept joined ranks. Call it before join().")
         ready = self._complete_groups(ready, errors)
         responses: List[Response] = []
+        failed_groups: Dict[str, str] = {}  # group id -> the error that failed one of its members
         for key in ready:
             waiting = self.table.pop(key)
             if key in errors:
@@ -164,8 +165,14 @@ class Coordinator:
                 responses.append(Response(request.kind, key[0], key[1], errors[key], request))
             else:
                 responses.append(self._response(key, waiting))
+            if responses[-1].error is not None:
+                for request in waiting.requests.values():
+                    if request.group is not None:
+                        failed_groups.setdefault(request.group[0], responses[-1].error)
             if self.timeline:
                 self.timeline.negotiate_end(key[1])
+        if failed_groups:
+            responses += self._fail_rest_of_groups(failed_groups)
         if len(self.joined) == self.world_size:
             responses.append(Response(Kind.JOIN, JOIN_KEY[0], JOIN_KEY[1],
                                       request=Request(Kind.JOIN, 0, JOIN_KEY[1], "", ()),
@@ -173,6 +180,21 @@ class Coordinator:
             self.joined = []
         evict, self._evict = self._evict, []
         return Decision(responses, evict, bool(self.joined), self._fatal)
+
+    def _fail_rest_of_groups(self, failed_groups: Dict[str, str]) -> List[Response]:
+        """Error responses for the members of failed groups that some ranks never submitted
+        (ranks whose groups differ in size): they would otherwise stay pending there forever,
+        holding their names, and show up as stalls."""
+        responses = []
+        for key in [k for k, w in self.table.items()
+                    if any(q.group is not None and q.group[0] in failed_groups for q in w.requests.values())]:
+            waiting = self.table.pop(key)
+            request = next(iter(waiting.requests.values()))
+            gid = next(q.group[0] for q in waiting.requests.values() if q.group and q.group[0] in failed_groups)
+            responses.append(Response(request.kind, key[0], key[1], failed_groups[gid], request))
+            if self.timeline:
+                self.timeline.negotiate_end(key[1])
+        return responses
 
     def _complete_groups(self, ready: List[tuple], errors) -> List[tuple]:
         counts: Dict[str, int] = {}
