@@ -418,3 +418,63 @@ def test_reloaded_model_sums_accumulated_passes_as_before():
     for a, b in zip(again.get_weights(), model.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     hvd.barrier()
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd_decay"])
+def test_weight_no_rank_has_a_gradient_for_is_left_alone(kind):
+    """The Unused layer's weight has no gradient on any rank: as in one process, weight decay
+    (and momentum) must not touch it, while the used weights match one process as usual."""
+    make = {"adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.5),
+            "sgd_decay": lambda: keras.optimizers.SGD(0.1, momentum=0.5, weight_decay=0.5)}[kind]
+    x, y = global_data()
+    ref = make_model()
+    ref.compile(optimizer=make(), loss="sparse_categorical_crossentropy")
+    ref.fit(x, y, batch_size=GLOBAL_BATCH, shuffle=False, verbose=0)
+    model = make_model()
+    model.compile(optimizer=hvd.DistributedOptimizer(make()), loss="sparse_categorical_crossentropy")
+    model.fit(shard(x), shard(y), batch_size=GLOBAL_BATCH // SIZE, shuffle=False, verbose=0)
+    unused = ops.convert_to_numpy(model.layers[1].unused)
+    np.testing.assert_array_equal(unused, ops.convert_to_numpy(ref.layers[1].unused))
+    for a, b in zip(model.get_weights(), ref.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert_replicas_identical(model.get_weights(), f"decay.{kind}")
+
+
+def test_gradient_only_some_ranks_have_is_averaged_with_zeros():
+    """Eagerly (torch; TensorFlow with run_eagerly) a gradient that exists on some ranks only is
+    averaged with zeros from the others and applied on every rank alike."""
+    if SIZE == 1 or BACKEND == "jax":
+        pytest.skip("needs two ranks and a backend with None gradients")
+    model = make_model(unused=False)
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0))
+    opt.build(model.trainable_variables)
+    grads = [ops.ones(v.shape) if RANK == 0 or i > 0 else None
+             for i, v in enumerate(model.trainable_variables)]
+    before = [ops.convert_to_numpy(v) for v in model.trainable_variables]
+    opt.apply(grads, model.trainable_variables)
+    after = [ops.convert_to_numpy(v) for v in model.trainable_variables]
+    np.testing.assert_allclose(after[0], before[0] - 1.0 / SIZE, rtol=1e-6)  # rank 0's only
+    np.testing.assert_allclose(after[1], before[1] - 1.0, rtol=1e-6)
+    assert_replicas_identical(after, "partial")
+
+
+def test_rank_dependent_none_inside_tf_function_raises_on_every_rank():
+    """In a tf.function the None gradients are fixed when the step is traced; a gradient that
+    only some ranks' graphs have cannot be dropped on some ranks only, so every rank raises."""
+    if SIZE == 1 or BACKEND != "tensorflow":
+        pytest.skip("needs two ranks and the tensorflow backend")
+    import tensorflow as tf
+
+    a, b = keras.Variable(np.ones(3, "float32")), keras.Variable(np.ones(3, "float32"))
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    opt.build([a, b])
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(a * 2.0) + (tf.reduce_sum(b) if RANK == 0 else 0.0)
+        opt.apply(tape.gradient(loss, [a, b]), [a, b])
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="every rank must compute the same gradients"):
+        step()
+    assert hvd.allgather_object("after") == ["after"] * SIZE

@@ -13,6 +13,7 @@ import sys
 from typing import Any, Dict, List, Optional
 
 import keras
+import numpy as np
 
 import hvddp
 from hvddp import Compression, ProcessSet, global_process_set
@@ -53,12 +54,19 @@ class _DistributedOptimizerMixin:
         if len(grads) != len(variables):
             raise ValueError(f"{type(self).__name__}: got {len(grads)} gradients for {len(variables)} "
                              f"variables; pass one gradient per trainable variable.")
+        present = [g is not None for g in grads]
         grads = [keras.ops.zeros(v.shape, dtype=v.dtype) if g is None else g
                  for g, v in zip(grads, variables)]
         labels = [v.path for v in variables]
-        return _backend.reduce_gradients(grads, variables, labels, "keras.grads", settings["op"],
-                                         settings["gradient_predivide_factor"], settings["postscale"],
-                                         settings["compression"], ps)
+        flagged = _backend.name() != "jax"  # JAX never gives None; the others may, per rank
+        if flagged:  # which ranks have each gradient, as one more member: 1 per gradient, then a 1
+            grads.append(keras.ops.convert_to_tensor(np.array(present + [True], dtype="float32")))
+            variables = variables + [None]
+            labels = labels + ["(which gradients exist)"]
+        reduced = _backend.reduce_gradients(grads, variables, labels, "keras.grads", settings["op"],
+                                            settings["gradient_predivide_factor"], settings["postscale"],
+                                            settings["compression"], ps)
+        return _drop_absent(reduced[:-1], reduced[-1], present) if flagged else reduced
 
     def apply(self, grads, trainable_variables=None):
         """Average ``grads`` across ranks, then apply them with the wrapped optimizer's rule.
@@ -91,6 +99,33 @@ class _DistributedOptimizerMixin:
         if outer is not None:
             _move_reduction_to(outer, self)
         return super().build(var_list)
+
+
+def _drop_absent(reduced: List[Any], flags: Any, present: List[bool]) -> List[Any]:
+    """None for the gradients no rank had, so the wrapped optimizer skips them as it would in
+    one process (no weight decay, no momentum step on an unused variable).
+
+    ``flags`` is the reduced presence vector: entry i over the last entry (which every rank set
+    to 1, so the ratio undoes Average's and any other scaling) is the share of ranks that had
+    gradient i. Eagerly that decides per variable. In a ``tf.function`` it is not known when the
+    step is traced: a gradient is dropped where it was None here (TensorFlow's None is a property
+    of the traced graph, the same on every rank of one model), and a runtime check raises on
+    every rank if some rank had it after all.
+    """
+    if _backend.name() == "tensorflow":
+        import tensorflow as tf
+
+        if not tf.executing_eagerly():
+            share = flags[:-1] / flags[-1]
+            partial = tf.reduce_any(tf.logical_and(share > 0.0, share < 1.0))
+            check = tf.debugging.Assert(tf.logical_not(partial), [
+                "hvddp.keras: a gradient is None on some ranks and not on others inside a tf.function "
+                "(rank-dependent model code?); every rank must compute the same gradients. Shares of "
+                "ranks with each gradient:", share])
+            with tf.control_dependencies([check]):
+                return [tf.identity(r) if p else None for r, p in zip(reduced, present)]
+    share = np.asarray(keras.ops.convert_to_numpy(flags), dtype=np.float64)
+    return [None if share[i] == 0.0 else r for i, r in enumerate(reduced)]
 
 
 def _enclosing_loss_scale_optimizer(inner: Any) -> Optional[Any]:
