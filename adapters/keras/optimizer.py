@@ -71,7 +71,8 @@ class _DistributedOptimizerMixin:
     def apply(self, grads, trainable_variables=None):
         """Average ``grads`` across ranks, then apply them with the wrapped optimizer's rule.
 
-        ``None`` gradients count as zeros, so every rank submits the same group.
+        A ``None`` gradient is sent as zeros, so every rank submits the same group; one that no
+        rank had is handed on as ``None`` (the wrapped optimizer skips it, as in one process).
         """
         settings = self._hvddp_settings()
         grads = list(grads)
@@ -234,9 +235,10 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
     """Return a copy of ``optimizer`` that averages gradients across ranks before each update.
 
     Works with ``model.fit`` (and ``apply``/``apply_gradients`` in custom loops) on the
-    tensorflow, torch and jax backends. Each step's gradients are reduced as one group named from
-    the variables' paths; every rank must train the same model. ``None`` gradients count as
-    zeros. The result is an instance of a subclass of ``optimizer``'s class with the same name
+    tensorflow, torch and jax backends. Each step's gradients are reduced as one group under one
+    fixed name; every rank must train the same model (a different one raises on every rank). A
+    gradient no rank has is skipped, as in one process; one only some ranks have is averaged
+    with zeros from the others. The result is an instance of a subclass of ``optimizer``'s class with the same name
     and config, so ``model.save`` writes a plain Keras optimizer; ``load_model`` wraps it again.
     Under the ``mixed_float16`` policy the average is taken before the loss-scale finite check
     (also when ``compile`` adds the ``LossScaleOptimizer`` around this one), so every rank
