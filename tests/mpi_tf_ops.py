@@ -201,3 +201,28 @@ def test_broadcast_variables_of_models_that_differ_raises_on_every_rank():
     variables = [tf.Variable(tf.zeros([2])), tf.Variable(tf.zeros([3 + (RANK == SIZE - 1)]))]
     with pytest.raises(hvd.MismatchError, match="position 1"):
         hvd.broadcast_variables(variables, root_rank=0)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_reducescatter_and_alltoall_gradients(mode):
+    """reducescatter's gradient is the allgather of the rows' gradients (scaled as the forward:
+    / size for Average); alltoall's sends each received row's gradient back to its sender."""
+    wrap = (lambda f: f) if mode == "eager" else tf.function
+    x = tf.ones([2 * SIZE, 3])
+
+    @wrap
+    def grads(x):
+        weight = float(RANK + 1)
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            summed = tf.reduce_sum(hvd.reducescatter(x, op=hvd.Sum, name=f"rsg.{mode}.sum") * weight)
+            averaged = tf.reduce_sum(hvd.reducescatter(x, name=f"rsg.{mode}.avg", prescale_factor=2.0)
+                                     * weight)
+            exchanged = tf.reduce_sum(hvd.alltoall(x, name=f"a2ag.{mode}")[0] * weight)
+        return [tape.gradient(t, x) for t in (summed, averaged, exchanged)]
+
+    d_sum, d_avg, d_a2a = [g.numpy() for g in grads(x)]
+    rows = np.repeat(np.arange(1, SIZE + 1, dtype=np.float32), 2)[:, None] * np.ones((1, 3))
+    np.testing.assert_allclose(d_sum, rows)  # rank r's rows carry weight r + 1
+    np.testing.assert_allclose(d_avg, rows * 2.0 / SIZE)
+    np.testing.assert_allclose(d_a2a, rows)  # rows 2r, 2r+1 went to rank r

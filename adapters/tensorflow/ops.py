@@ -287,7 +287,8 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
     """Send ``splits[i]`` rows of ``tensor`` to rank ``i``; gather the rows sent to this rank.
 
     Without ``splits`` the first dimension is split evenly (it must divide by the number of
-    ranks). Returns ``(received, received_splits)`` as in Horovod 0.28. No gradient.
+    ranks). Returns ``(received, received_splits)`` as in Horovod 0.28. The gradient sends the
+    received rows' gradients back where they came from (the reverse alltoall).
     """
     tensor = _dense(tensor, "alltoall")
     name = _name(name, "alltoall")
@@ -303,17 +304,33 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
         out, received = hvddp.alltoall_async(x, given, name=name, process_set=process_set).wait()
         return np.asarray(out, dtype=x.dtype), np.asarray(received, dtype=np.int64)
 
-    out, received = _py(body, [tensor, splits_t], [tensor.dtype, tf.int64], "HvddpAlltoall")
-    out.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
-    received.set_shape([size])
-    return out, received
+    def grad_body(dy, back):
+        out, _ = hvddp.alltoall_async(dy, [int(v) for v in back], name=name + ".grad",
+                                      process_set=process_set).wait()
+        return np.asarray(out, dtype=dy.dtype)
+
+    @tf.custom_gradient
+    def _op(x):
+        out, received = _py(body, [x, splits_t], [x.dtype, tf.int64], "HvddpAlltoall")
+        out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
+        received.set_shape([size])
+
+        def grad(dy, _d_received):
+            g = _py(grad_body, [dy, received], [dy.dtype], "HvddpAlltoallGrad")
+            g = g[0] if isinstance(g, (list, tuple)) else g
+            g.set_shape(x.shape)
+            return g
+        return (out, received), grad
+
+    return _op(tensor)
 
 
 def reducescatter(tensor: Any, name: Optional[str] = None, op: Any = None,
                   process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> tf.Tensor:
     """Reduce ``tensor`` across ranks and return this rank's rows (first ``rows % size`` ranks
-    get one more). ``op`` defaults to Average. No gradient."""
+    get one more). ``op`` defaults to Average. The gradient (Average and Sum) is the allgather
+    of the rows' gradients, scaled as the forward was."""
     op = _grouping.check_op(op, None, "reducescatter")
     tensor = _dense(tensor, "reducescatter")
     if tensor.shape.rank == 0:
@@ -326,11 +343,28 @@ def reducescatter(tensor: Any, name: Optional[str] = None, op: Any = None,
         return np.asarray(hvddp.reducescatter(x, name=name, op=op, process_set=process_set,
                                               prescale_factor=pre, postscale_factor=post), dtype=x.dtype)
 
-    out = _py(body, [tensor], [tensor.dtype], "HvddpReducescatter")
-    out = out[0] if isinstance(out, (list, tuple)) else out
-    rows = tensor.shape[0]
-    if rows is not None:
-        size, rank = _size(process_set), _set_rank(process_set)
-        rows = rows // size + (1 if rank < rows % size else 0)
-    out.set_shape(tf.TensorShape([rows]).concatenate(tensor.shape[1:]))
-    return out
+    def grad_body(dy):
+        if op not in (hvddp.Average, hvddp.Sum):
+            raise ValueError(f"reducescatter {name!r}: op={op!r} has no gradient; only Average and Sum do.")
+        factor = pre * post / (_size(process_set) if op == hvddp.Average else 1)
+        total = hvddp.allgather(dy, name=name + ".grad", process_set=process_set)
+        return np.asarray(total * factor, dtype=dy.dtype)
+
+    @tf.custom_gradient
+    def _op(x):
+        out = _py(body, [x], [x.dtype], "HvddpReducescatter")
+        out = out[0] if isinstance(out, (list, tuple)) else out
+        rows = x.shape[0]
+        if rows is not None:
+            size, rank = _size(process_set), _set_rank(process_set)
+            rows = rows // size + (1 if rank < rows % size else 0)
+        out.set_shape(tf.TensorShape([rows]).concatenate(x.shape[1:]))
+
+        def grad(dy):
+            g = _py(grad_body, [dy], [dy.dtype], "HvddpReducescatterGrad")
+            g = g[0] if isinstance(g, (list, tuple)) else g
+            g.set_shape(x.shape)
+            return g
+        return out, grad
+
+    return _op(tensor)
