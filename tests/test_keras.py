@@ -25,13 +25,18 @@ BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(importlib.util.find_spec(m)
             for b, m in (("tensorflow", "tensorflow"), ("torch", "torch"), ("jax", "jax"))]
 
 
+# what the np=2 run must report per backend: the TF-graph-only case skips elsewhere, and JAX
+# never gives a None gradient for the partial-gradient case to test
+NP2_SUMMARY = {"tensorflow": "20 passed", "torch": "19 passed, 1 skipped", "jax": "18 passed, 2 skipped"}
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fit_np2(backend):
     """Parity (Adam), callbacks, save/reload, mixed precision, jit_compile, helpers, mismatch."""
     out = run_pytest(2, "tests/mpi_keras_fit.py", env={"KERAS_BACKEND": backend, **STALL}, timeout=300,
                      extra=["-k", "not parity[sgd]", "-W", "ignore::UserWarning",
                             "-W", "ignore::DeprecationWarning"])
-    assert re.search(r"\b12 passed", out.stdout), out.stdout
+    assert re.search(r"\b" + NP2_SUMMARY[backend], out.stdout), out.stdout
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
