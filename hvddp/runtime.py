@@ -209,7 +209,10 @@ def init(comm=None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None
     with _lock:
         if _S is not None:
             return
-        cfg = _config.from_env()
+        try:
+            cfg, bad_env = _config.from_env(), None
+        except ValueError as exc:  # raised below on every rank, not here on this one alone
+            cfg, bad_env = None, exc
         MPI = _import_mpi()
         world = MPI.COMM_WORLD
         from . import _faults
@@ -230,6 +233,7 @@ def init(comm=None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None
             raise TypeError(f"init(comm=...) takes an mpi4py communicator or a list of ranks, "
                             f"got {type(comm).__name__}.")
         _check_launcher(world.Get_size(), MPI)
+        _raise_together(base, bad_env)
         state = _State()
         state.config = cfg
         state.comm = base.Dup()
@@ -356,6 +360,17 @@ def cross_size() -> int:
 def is_homogeneous() -> bool:
     """Return True if every node runs the same number of processes."""
     return _state().homogeneous
+
+
+def _raise_together(comm, error: Optional[ValueError]) -> None:
+    """Raise a bad environment variable on every rank of ``comm``: a rank that raised alone
+    would leave the others waiting in ``init()``'s first collective (without ``-m mpi4py``)."""
+    errors = comm.allgather(None if error is None else str(error))
+    if error is not None:
+        raise error
+    first = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
+    if first is not None:
+        raise ValueError(f"rank {first[0]}'s environment: {first[1]}")
 
 
 def mpi_threads_supported() -> bool:

@@ -57,6 +57,16 @@ def test_init_alone_installs_the_abort_hook():
     assert elapsed < 10, f"took {elapsed:.1f} s\n{out}"
 
 
+def test_bad_variable_on_one_rank_raises_on_every_rank_at_init():
+    """Plain python, a bad HVDDP_CYCLE_TIME on rank 1 only: rank 0 must not wait in init()."""
+    result, elapsed = _timed(2, ["tests/fault_scripts/bad_env_one_rank.py"], python_module_mpi4py=False,
+                             timeout=60)
+    out = result.stdout
+    assert "rank 1: ValueError: environment variable HVDDP_CYCLE_TIME='fast'" in out, out
+    assert "rank 0: ValueError: rank 1's environment: environment variable HVDDP_CYCLE_TIME" in out, out
+    assert "init returned" not in out and elapsed < 10, f"took {elapsed:.1f} s\n{out}"
+
+
 @pytest.mark.parametrize("mode", ["sigkill", "exit3"])
 def test_rank_dies_mid_collective_under_mpiexec(mode):
     result, elapsed = _timed(2, [SCRIPT, mode], timeout=60)
