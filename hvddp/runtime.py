@@ -316,8 +316,8 @@ def shutdown() -> None:
         finally:
             if state.timeline:
                 state.timeline.close()
-            for view in list(state.process_sets.values()):
-                if view.comm is not None and view.owner is not global_process_set:
+            for view in list(state.process_sets.values()):  # members or not: a later init()
+                if view.owner is not global_process_set:      # registers them afresh everywhere
                     view.owner.process_set_id = None
             global_process_set.process_set_id = None
 

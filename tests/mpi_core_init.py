@@ -1,4 +1,5 @@
-"""init() variants under 3 ranks: a sub-world from a rank list, process sets at init, DYNAMIC timeline."""
+"""init() variants under 3 ranks: a sub-world from a rank list, process sets at init, DYNAMIC timeline,
+re-registering a process set after shutdown and init."""
 import json
 import os
 import sys
@@ -39,5 +40,14 @@ if world == 0:
     events = json.load(open(path))
     rows = {e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert "allreduce.traced" in rows and "allreduce.untraced" not in rows, rows
+hvddp.shutdown()
+
+# 4. after shutdown, the same ProcessSet object registers again on every rank (members or not)
+hvddp.init()
+again = hvddp.add_process_set(evens)
+if again.included():
+    out = hvddp.allreduce(np.array([float(world)]), op=hvddp.Sum, name="evens.again", process_set=again)
+    assert out[0] == 2.0, out
+hvddp.barrier()
 print(f"rank {world} init variants ok", flush=True)
 hvddp.shutdown()
