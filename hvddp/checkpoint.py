@@ -26,6 +26,7 @@ from __future__ import annotations
 import glob
 import os
 import pickle
+import uuid
 from typing import Any, BinaryIO, Callable, Optional, Union
 
 import numpy as np
@@ -79,7 +80,9 @@ def atomic_write(path: Union[str, os.PathLike], data: Data) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     prefix = _tmp_prefix(path)
-    tmp = f"{prefix}{os.getpid()}"
+    # one temporary file per writer (process, thread, call): concurrent writers of one path
+    # must not write into, rename or delete each other's
+    tmp = f"{prefix}{os.getpid()}.{uuid.uuid4().hex[:12]}"
     try:
         with open(tmp, "wb") as f:
             if callable(data):
@@ -97,10 +100,27 @@ def atomic_write(path: Union[str, os.PathLike], data: Data) -> None:
         raise
     _fsync_dir(directory)
     for stale in glob.glob(glob.escape(prefix) + "*"):  # left by writers that crashed
+        if _writer_alive(stale[len(prefix):]):
+            continue  # another writer's file, still being written
         try:
             os.unlink(stale)
         except OSError:
             pass
+
+
+def _writer_alive(suffix: str) -> bool:
+    """Whether the process that named a temporary file ``<pid>.<random>`` still runs here."""
+    try:
+        pid = int(suffix.split(".", 1)[0])
+    except ValueError:
+        return False  # not one of ours (or an older naming): stale
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, another user's
+        return True
+    return True
 
 
 def _check_root(root_rank: Any, fn: str) -> int:

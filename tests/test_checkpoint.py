@@ -39,6 +39,45 @@ def test_crash_mid_write_leaves_previous_checkpoint_intact(tmp_path):
         atomic_write(path, "text")
 
 
+def test_concurrent_writers_never_tear_or_fail(tmp_path):
+    """Two threads save to one path while a third reads it: every read is one writer's whole
+    file, no save fails, and no temporary file is left (each writer has its own)."""
+    import threading
+
+    from hvddp.checkpoint import atomic_write
+
+    path = tmp_path / "shared.ckpt"
+    size, errors, torn, stop = 100_000, [], [], threading.Event()
+
+    def writer(tag: int) -> None:
+        for _ in range(12):  # each save fsyncs: keep it short
+            try:
+                atomic_write(path, lambda f: [f.write(bytes([tag]) * 1000) for _ in range(size // 1000)])
+            except Exception as exc:  # noqa: BLE001 - any failure is the finding
+                errors.append(repr(exc))
+
+    def reader() -> None:
+        while not stop.is_set():
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                continue
+            if len(data) != size or len(set(data)) != 1:
+                torn.append((len(data), sorted(set(data))))
+
+    threads = [threading.Thread(target=writer, args=(tag,)) for tag in (1, 2)]
+    watcher = threading.Thread(target=reader)
+    watcher.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    watcher.join()
+    assert not errors and not torn, (errors[:3], torn[:3])
+    assert [p.name for p in tmp_path.iterdir()] == ["shared.ckpt"]
+
+
 def test_collective_save_load_errors_alike_on_every_rank(tmp_path):
     result = run(2, ["tests/mpi_faults_checkpoint.py", str(tmp_path)], timeout=120)
     assert result.stdout.count("CHECKPOINT OK") == 2, result.stdout
