@@ -139,11 +139,16 @@ def test_uncaught_exception_under_hvddprun_names_the_rank():
     assert elapsed < 10, f"took {elapsed:.1f} s\n{out}"
 
 
-def test_stall_shutdown_raises_on_every_rank_naming_tensors_and_ranks():
+@pytest.mark.parametrize("warning", ["on", "off"])
+def test_stall_shutdown_raises_on_every_rank_naming_tensors_and_ranks(warning):
+    """HVDDP_STALL_CHECK_DISABLE=1 turns the warning off, not a shutdown time that was set."""
     env = {"HVDDP_STALL_CHECK_TIME_SECONDS": "1", "HVDDP_STALL_SHUTDOWN_TIME_SECONDS": "3"}
+    if warning == "off":
+        env["HVDDP_STALL_CHECK_DISABLE"] = "1"
     result, elapsed = _timed(2, [SCRIPT, "skip"], env=env, timeout=60)
     out = result.stdout
     assert result.returncode != 0, out
+    assert ("WARNING: stalled collectives" in out) == (warning == "on"), out
     for rank in (0, 1):
         line = next((l for l in out.splitlines() if f"rank {rank}: STALLERROR" in l), None)
         assert line is not None, out

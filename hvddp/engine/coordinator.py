@@ -107,14 +107,14 @@ class Coordinator:
     def check_stalls(self, now: float) -> None:
         """Log (once per name) which ranks are missing names that others have waited on."""
         cfg = self.config
-        if cfg.stall_check_disable or not self.table:
+        if not self.table:
             return
         late = []
         for key, waiting in self.table.items():
             if not waiting.warned and now - waiting.first_seen > cfg.stall_check_time_s:
                 waiting.warned = True
                 late.append((key, waiting))
-        if late:
+        if late and not cfg.stall_check_disable:  # the warning only: a shutdown time still holds
             log.warning("%s", self._stall_text(late, now, "stalled"))
         limit = cfg.stall_shutdown_time_s
         if limit > 0 and self._fatal is None:
