@@ -249,7 +249,7 @@ def settings_env(opts: argparse.Namespace) -> Dict[str, str]:
         try:
             env[variable] = convert(value)
             config.from_env({variable: env[variable]})
-        except ValueError as exc:
+        except (ValueError, OverflowError) as exc:  # (int(inf) overflows)
             raise ValueError(f"{flag} {value!r} is not valid ({exc})") from None
     if getattr(opts, "no_stall_check", False):
         env["HVDDP_STALL_CHECK_DISABLE"] = "1"
@@ -428,6 +428,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         command = command[1:]
     if not command:
         parser.error("no command given: hvddprun -np N python train.py")
+    status_dir = None
     try:
         env = settings_env(opts)
         hosts = parse_hosts(opts.hosts) if opts.hosts else (
@@ -441,6 +442,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             command = [sys.executable, os.path.abspath(_faults.__file__), "--rank-monitor", "--"] + command
         cmd = build_command(launch, opts.np, command, env, hosts, shlex.split(opts.mpi_args))
     except (ValueError, RuntimeError, OSError) as exc:
+        if status_dir:
+            shutil.rmtree(status_dir, ignore_errors=True)
         parser.error(str(exc))
     if opts.dry_run:
         print(shlex.join(cmd))
@@ -473,7 +476,8 @@ def _run(cmd: List[str], status_dir: str, np_: int) -> int:
             try:
                 returncode = proc.wait()
                 break
-            except KeyboardInterrupt:  # the terminal sent SIGINT to mpiexec too; wait for it
+            except KeyboardInterrupt:  # pass it on (a terminal's Ctrl-C reached mpiexec too), then
+                forward(signal.SIGINT, None)  # wait for the job to end
                 continue
     finally:
         for s, handler in previous.items():

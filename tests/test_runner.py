@@ -7,10 +7,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from hvddp import _faults, runner
+from mpirun import ROOT
 from runner_helper import hvddprun
 
 PRINT = "tests/fault_scripts/print_config.py"
@@ -70,19 +72,22 @@ def test_hosts_and_hostfile(tmp_path, hosts):
     (["-np", "2", "--log-level", "loud"], ["--log-level", "HVDDP_LOG_LEVEL", "loud"]),
     (["-np", "2", "--fusion-threshold-mb", "-3"], ["--fusion-threshold-mb", "HVDDP_FUSION_THRESHOLD"]),
     (["-np", "2", "--stall-check-shutdown-time-seconds", "nan"], ["--stall-check-shutdown-time-seconds"]),
+    (["-np", "2", "--fusion-threshold-mb", "inf"], ["--fusion-threshold-mb", "inf"]),
     (["-np", "3", "-H", "localhost:2"], ["-np 3", "2 slots"]),
     (["-np", "0"], ["-np must be >= 1"]),
     (["-np", "2", "-H", "localhost:two"], ["slots must be a positive integer", "'two'"]),
     (["python", "x.py"], ["-np N is required"]),
     (["-np", "2"], ["no command given"]),
 ])
-def test_bad_arguments_fail_before_launch_naming_the_option(args, words):
-    result, elapsed = hvddprun(args + ([] if args[-1].endswith(".py") or args == ["-np", "2"] else ["python", PRINT]))
+def test_bad_arguments_fail_before_launch_naming_the_option(args, words, tmp_path):
+    result, elapsed = hvddprun(args + ([] if args[-1].endswith(".py") or args == ["-np", "2"] else ["python", PRINT]),
+                               env={"TMPDIR": str(tmp_path)})
     assert result.returncode == 2, result.stdout
     assert "CONFIG" not in result.stdout  # nothing was launched
     for word in words:
         assert word in result.stdout, result.stdout
     assert elapsed < 10
+    assert not list(tmp_path.iterdir())  # no status directory left behind
 
 
 def test_dry_run_shows_hydra_command_with_genv_and_mpi4py():
@@ -190,3 +195,24 @@ def test_check_build_reports_library_threads_and_frameworks():
         assert (f"[X] {name}:" in out) == present, out
     assert "[ ] CuPy" in out or "[X] CuPy" in out
     assert ("[X] NCCL" in out) == (importlib.util.find_spec("cupy") is not None and "[X] CuPy" in out), out
+
+
+def test_sigint_to_hvddprun_alone_stops_the_job():
+    """A SIGINT sent to hvddprun only (not to the terminal's whole group) reaches the job."""
+    import signal
+
+    script = "import time, hvddp; hvddp.init(); time.sleep(120)"
+    proc = subprocess.Popen([sys.executable, "-m", "hvddp.runner", "-np", "2", "python", "-c", script],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        time.sleep(5)  # the ranks are up and sleeping
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode != 0, out
+        assert time.monotonic() - start < 20, out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
