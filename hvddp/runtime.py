@@ -246,6 +246,11 @@ def init(comm=None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None
                 "MPI was initialized without thread support (need MPI_THREAD_SERIALIZED or better, "
                 "hvddp runs collectives on a background thread). Do not set "
                 "mpi4py.rc.thread_level below 'serialized'.")
+        try:  # before anything is registered or opened (process set ids, the timeline file)
+            _check_config_agrees(state.comm, cfg)
+        except ValueError:
+            state.comm.Free()
+            raise
         state.local_comm = state.comm.Split_type(MPI.COMM_TYPE_SHARED, key=state.rank)
         state.local_rank = state.local_comm.Get_rank()
         state.local_size = state.local_comm.Get_size()
@@ -273,7 +278,6 @@ def init(comm=None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None
         problem = state.comm.bcast(problem, root=0)
         if problem:
             raise ValueError(problem)
-        _check_config_agrees(state.comm, cfg)
         from .engine.loop import Engine
 
         def make_process_set(kind, request, world_comm):

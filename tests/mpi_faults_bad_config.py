@@ -88,16 +88,19 @@ def disagree_main() -> None:
 
     rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
     os.environ["HVDDP_CMA_THRESHOLD"] = str(1000 + rank)
+    timeline = sys.argv[2]  # refused before it is opened: no half-written file is left
+    os.environ["HVDDP_TIMELINE"] = timeline
     try:
         hvddp.init()
         outcome = "initialized"
     except ValueError as exc:
         outcome = f"ValueError: {exc}"
         assert not hvddp.is_initialized()
+        assert not os.path.exists(timeline), timeline
     sys.stdout.write(f"DISAGREE OUTCOME {outcome}\n")
     sys.stdout.flush()
 
 
 if __name__ == "__main__":
     mode = sys.argv[1:]
-    timeline_main() if mode == ["timeline"] else disagree_main() if mode == ["disagree"] else main()
+    timeline_main() if mode == ["timeline"] else disagree_main() if mode[:1] == ["disagree"] else main()

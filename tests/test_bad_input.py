@@ -28,8 +28,9 @@ def test_bad_timeline_path_fails_on_every_rank():
         assert outcome.startswith("ValueError") and "HVDDP_TIMELINE" in outcome, result.stdout
 
 
-def test_engine_variables_that_differ_across_ranks_fail_on_every_rank():
-    result = run(2, ["tests/mpi_faults_bad_config.py", "disagree"], timeout=60)
+def test_engine_variables_that_differ_across_ranks_fail_on_every_rank(tmp_path):
+    result = run(2, ["tests/mpi_faults_bad_config.py", "disagree", str(tmp_path / "timeline.json")],
+                 timeout=60)
     outcomes = re.findall(r"DISAGREE OUTCOME (.*)", result.stdout)
     assert len(outcomes) == 2, result.stdout
     for outcome in outcomes:
