@@ -99,6 +99,10 @@ def test_integer_scaling_divides_exactly_toward_zero():
     out = np.empty_like(big)
     _scaled_copy(out, big, 0.5)
     assert out.tolist() == [(2**62 + 2**61 + 3) // 2, -(2**61)]
+    tiny = np.array([-128, -7, 7, 127], dtype=np.int8)  # 200 ranks: the divisor fits no int8
+    out = np.ones_like(tiny)
+    _scaled_copy(out, tiny, 1.0 / 200)
+    assert out.tolist() == [0, 0, 0, 0]
     small = np.array([7, -7], dtype=np.int32)
     _scaled_copy(small, small, 0.3)  # not 1/k: float64 math, truncated
     assert small.tolist() == [2, -2]

@@ -206,8 +206,12 @@ class Coordinator:
             return ready
         kept = []
         for key in ready:
-            group = next(iter(self.table[key].requests.values())).group
-            if group is None or counts[group[0]] >= group[1] or key in errors:
+            requests = self.table[key].requests.values()
+            group = next(iter(requests)).group
+            # ranks that grouped this name differently never complete one group: answer now, and
+            # _response reports the difference (waiting would stall whichever rank has more)
+            differs = any(q.group != group for q in requests)
+            if group is None or counts[group[0]] >= group[1] or key in errors or differs:
                 kept.append(key)
         return kept
 

@@ -494,6 +494,10 @@ def truncating_divide(dst: np.ndarray, src: np.ndarray, k: int) -> None:
     ``src - fmod(src, k)`` is a multiple of k (fmod keeps the dividend's sign), so the floor
     division after it is exact and rounds toward zero; float64 would lose integers above 2**53.
     """
+    if k > np.iinfo(src.dtype).max:  # |src| < k: every quotient is 0 (and k fits no such array)
+        dst[...] = 0
+        return
+    k = src.dtype.type(k)
     np.floor_divide(src - np.fmod(src, k), k, out=dst, casting="unsafe")
 
 
