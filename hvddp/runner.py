@@ -454,6 +454,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         shutil.rmtree(status_dir, ignore_errors=True)
 
 
+def _in_terminal_foreground() -> bool:
+    """Whether this process leads the foreground group of a terminal (so Ctrl-C there also
+    reaches mpiexec, started in the same group)."""
+    try:
+        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+    except (OSError, ValueError, AttributeError):  # no terminal, or no stdin
+        return False
+
+
 def _run(cmd: List[str], status_dir: str, np_: int) -> int:
     full_env = dict(os.environ)
     full_env[_faults.STATUS_DIR_VARIABLE] = status_dir
@@ -470,14 +479,16 @@ def _run(cmd: List[str], status_dir: str, np_: int) -> int:
             pass
 
     started = time.time()
+    from_terminal = _in_terminal_foreground()
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         while True:
             try:
                 returncode = proc.wait()
                 break
-            except KeyboardInterrupt:  # pass it on (a terminal's Ctrl-C reached mpiexec too), then
-                forward(signal.SIGINT, None)  # wait for the job to end
+            except KeyboardInterrupt:  # a terminal's Ctrl-C reached mpiexec too (one group); a
+                if not from_terminal:  # SIGINT sent to hvddprun alone is passed on, once
+                    forward(signal.SIGINT, None)
                 continue
     finally:
         for s, handler in previous.items():

@@ -55,7 +55,8 @@ def sparse_rows_async(grad: Optional[torch.Tensor], param: torch.Tensor, name: s
         all_values = _fresh(gathered[:, sparse_dim * 8:]).view(values.dtype).reshape((total,) + dense)
         if op == Average:
             all_values = all_values / size
-        return torch.sparse_coo_tensor(all_indices.t(), all_values, param.shape, check_invariants=False)
+        out = torch.sparse_coo_tensor(all_indices.t(), all_values, param.shape, check_invariants=False)
+        return out.to(param.device)  # staged through host memory; the gradient lives with the parameter
 
     return Handle(name, [core], finish)
 
