@@ -251,6 +251,19 @@ def init(comm=None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None
         except ValueError:
             state.comm.Free()
             raise
+        from .timeline import Timeline
+        problem = None
+        try:
+            state.timeline = Timeline.from_config(cfg, state.rank)
+        except OSError as exc:  # rank 0 opens the file; every rank must fail alike
+            problem = (f"environment variable HVDDP_TIMELINE={cfg.timeline!r} is not usable on rank 0: "
+                       f"{exc}. Fix or unset HVDDP_TIMELINE.")
+        problem = state.comm.bcast(problem, root=0)
+        if problem:
+            if state.timeline:
+                state.timeline.close()
+            state.comm.Free()
+            raise ValueError(problem)
         state.local_comm = state.comm.Split_type(MPI.COMM_TYPE_SHARED, key=state.rank)
         state.local_rank = state.local_comm.Get_rank()
         state.local_size = state.local_comm.Get_size()
@@ -268,16 +281,6 @@ def init(comm=None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None
                 raise TypeError(f"init(process_sets=...) takes ProcessSet objects, got {type(ps).__name__}.")
             _register(state, ps, state.next_ps_id, state.comm)
             state.next_ps_id += 1
-        from .timeline import Timeline
-        problem = None
-        try:
-            state.timeline = Timeline.from_config(cfg, state.rank)
-        except OSError as exc:  # rank 0 opens the file; every rank must fail alike
-            problem = (f"environment variable HVDDP_TIMELINE={cfg.timeline!r} is not usable on rank 0: "
-                       f"{exc}. Fix or unset HVDDP_TIMELINE.")
-        problem = state.comm.bcast(problem, root=0)
-        if problem:
-            raise ValueError(problem)
         from .engine.loop import Engine
 
         def make_process_set(kind, request, world_comm):
