@@ -271,10 +271,14 @@ class _DistributedOptimizer:
             if not p.requires_grad:
                 self._hvddp_frozen.append(p)
                 continue
-            self._hvddp_params.append(p)
-            self._hvddp_delay[p] = self._hvddp_bpps
-            if self._hvddp_active:
-                self._hvddp_hooks.append(p.register_post_accumulate_grad_hook(self._hvddp_hook_fn))
+            self._hvddp_track(p)
+
+    def _hvddp_track(self, p: torch.Tensor) -> None:
+        """Reduce ``p``'s gradient from now on: listed, counted, and hooked when active."""
+        self._hvddp_params.append(p)
+        self._hvddp_delay[p] = self._hvddp_bpps
+        if self._hvddp_active:
+            self._hvddp_hooks.append(p.register_post_accumulate_grad_hook(self._hvddp_hook_fn))
 
     # backward side -----------------------------------------------------------------------
     def _hvddp_hook(self, p: torch.Tensor) -> None:
@@ -352,9 +356,7 @@ class _DistributedOptimizer:
         every rank runs the same script, so every rank adopts them at the same step."""
         for p in [p for p in self._hvddp_frozen if p.requires_grad]:
             self._hvddp_frozen.remove(p)
-            self._hvddp_params.append(p)
-            self._hvddp_delay[p] = self._hvddp_bpps
-            self._hvddp_hooks.append(p.register_post_accumulate_grad_hook(self._hvddp_hook_fn))
+            self._hvddp_track(p)
 
     def _hvddp_sparse_flight(self, p: torch.Tensor, grad: Optional[torch.Tensor]) -> _Flight:
         handle = sparse_rows_async(grad, p, self._hvddp_full_names[p], self._hvddp_op,

@@ -30,7 +30,7 @@ from typing import Optional
 import numpy as np
 from mpi4py import MPI
 
-from ..engine.executor import address, divisor, shares_memory, truncating_divide
+from ..engine.executor import _scaled_copy, address, shares_memory
 from ..engine.messages import ReduceOp
 
 SCRATCH_BYTES = 256 << 10  # fits in L2 next to the slice being reduced
@@ -201,8 +201,7 @@ class CrossMemory:
         dtype = dsts[0].dtype
         ufunc = (_BOOL_UFUNCS if dtype.kind == "b" else _UFUNCS)[op]
         factor = dtype.type(scale) if scale != 1.0 and dtype.kind == "f" else None
-        truncate = scale if scale != 1.0 and dtype.kind != "f" else None
-        exact = divisor(scale) if truncate is not None and dtype.kind in "iu" else 0
+        integer_scale = scale != 1.0 and dtype.kind != "f"  # (exact division for an Average)
         item = dtype.itemsize
         room = max(1, self._region_bytes // item)  # elements per peer region
         scratch = self._scratch.view(dtype)
@@ -235,10 +234,8 @@ class CrossMemory:
                     ufunc(acc, scratch[m * room + at:m * room + stop], out=acc)
                 if factor is not None:
                     np.multiply(acc, factor, out=acc)
-                elif exact:
-                    truncating_divide(acc, acc, exact)
-                elif truncate is not None:
-                    np.copyto(acc, np.trunc(acc * truncate), casting="unsafe")
+                elif integer_scale:
+                    _scaled_copy(acc, acc, scale)
                 if shared:
                     np.copyto(out, acc)
                 at = stop

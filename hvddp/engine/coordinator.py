@@ -186,11 +186,13 @@ class Coordinator:
         (ranks whose groups differ in size): they would otherwise stay pending there forever,
         holding their names, and show up as stalls."""
         responses = []
-        for key in [k for k, w in self.table.items()
-                    if any(q.group is not None and q.group[0] in failed_groups for q in w.requests.values())]:
-            waiting = self.table.pop(key)
+        for key, waiting in list(self.table.items()):
+            gid = next((q.group[0] for q in waiting.requests.values()
+                        if q.group is not None and q.group[0] in failed_groups), None)
+            if gid is None:
+                continue
+            del self.table[key]
             request = next(iter(waiting.requests.values()))
-            gid = next(q.group[0] for q in waiting.requests.values() if q.group and q.group[0] in failed_groups)
             responses.append(Response(request.kind, key[0], key[1], failed_groups[gid], request))
             if self.timeline:
                 self.timeline.negotiate_end(key[1])

@@ -17,6 +17,11 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
+try:  # numpy >= 2.0
+    from numpy.lib.array_utils import byte_bounds as _byte_bounds
+except ImportError:  # pragma: no cover - numpy 1.x
+    _byte_bounds = np.byte_bounds
+
 
 from ..exceptions import HvddpError
 from .messages import Kind, ReduceOp, Request
@@ -403,7 +408,7 @@ def _unalias(entries: list) -> None:
     # where each entry's result lands: its input when in place, else the view written back
     w_start, w_end = start.copy(), end.copy()
     for i in strided:
-        w_start[i], w_end[i] = _extent(entries[i].writeback)
+        w_start[i], w_end[i] = _byte_bounds(entries[i].writeback)
     for i, entry in enumerate(entries):
         if end[i] == start[i]:
             continue
@@ -411,19 +416,6 @@ def _unalias(entries: list) -> None:
         hit[i] = False
         if hit.any():
             entry.input = entry.input.copy()  # the output stays where the caller wants it
-
-
-def _extent(a: np.ndarray) -> tuple:
-    """[first, last + 1) byte addresses an array of any strides covers."""
-    low = high = a.ctypes.data
-    for n, stride in zip(a.shape, a.strides):
-        if n == 0:
-            return low, low
-        if stride < 0:
-            low += stride * (n - 1)
-        else:
-            high += stride * (n - 1)
-    return low, high + a.itemsize
 
 
 _addressof, _char = ctypes.addressof, ctypes.c_char
@@ -480,7 +472,7 @@ def _buffers(request: Request, entry: Optional[Entry], pool: OutputPool):
     return src, entry.output.reshape(-1)
 
 
-def divisor(factor: float) -> int:
+def _divisor(factor: float) -> int:
     """k when ``factor`` is exactly 1/k for an integer k >= 2 (an Average's scale), else 0."""
     if not 0.0 < factor <= 0.5:
         return 0
@@ -488,7 +480,7 @@ def divisor(factor: float) -> int:
     return k if 1.0 / k == factor else 0
 
 
-def truncating_divide(dst: np.ndarray, src: np.ndarray, k: int) -> None:
+def _truncating_divide(dst: np.ndarray, src: np.ndarray, k: int) -> None:
     """``dst = src / k`` for integers, truncated toward zero, exact at any magnitude.
 
     ``src - fmod(src, k)`` is a multiple of k (fmod keeps the dividend's sign), so the floor
@@ -510,8 +502,8 @@ def _scaled_copy(dst: np.ndarray, src: np.ndarray, factor: float) -> None:
     if factor == 1.0:
         if dst is not src:
             np.copyto(dst, src, casting="unsafe")
-    elif dst.dtype.kind in "iu" and src.dtype.kind in "iu" and divisor(factor):
-        truncating_divide(dst, src, divisor(factor))
+    elif dst.dtype.kind in "iu" and src.dtype.kind in "iu" and (k := _divisor(factor)):
+        _truncating_divide(dst, src, k)
     elif dst.dtype.kind in "iub" or src.dtype.kind in "iub":
         scaled = src * factor
         np.copyto(dst, scaled if dst.dtype.kind == "f" else np.trunc(scaled), casting="unsafe")
