@@ -37,14 +37,15 @@ class Config:
     overlap: Optional[bool] = None  # None: auto (see adapters/torch/optimizer.py)
 
 
-def _int(minimum: int) -> Callable[[str], int]:
+def _int(minimum: int, maximum: Optional[int] = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = int(text.strip())
-        if value < minimum:
-            raise ValueError(f"must be >= {minimum}")
+        if value < minimum or (maximum is not None and value > maximum):
+            raise ValueError("out of range")
         return value
 
-    parse.expected = f"an integer >= {minimum}"  # type: ignore[attr-defined]
+    parse.expected = (f"an integer >= {minimum}" if maximum is None  # type: ignore[attr-defined]
+                      else f"an integer from {minimum} to {maximum}")
     return parse
 
 
@@ -100,7 +101,8 @@ VARIABLES: Mapping[str, tuple] = {
     "FUSION_THRESHOLD": ("fusion_threshold_bytes", _int(0)),
     "MPI_CHUNK_BYTES": ("mpi_chunk_bytes", _int(1024)),
     "CYCLE_TIME": ("cycle_time_ms", _float(0.0)),
-    "CACHE_CAPACITY": ("cache_capacity", _int(0)),
+    # every cycle's negotiation carries a bit per cache slot: a million slots is 128 KiB
+    "CACHE_CAPACITY": ("cache_capacity", _int(0, 1 << 20)),
     "STALL_CHECK_DISABLE": ("stall_check_disable", _bool),
     "STALL_CHECK_TIME_SECONDS": ("stall_check_time_s", _float(0.0)),
     "STALL_SHUTDOWN_TIME_SECONDS": ("stall_shutdown_time_s", _float(0.0)),

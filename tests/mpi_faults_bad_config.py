@@ -17,7 +17,7 @@ BAD_VALUES = {
     "FUSION_THRESHOLD": ["64MB", "-1", ""],
     "MPI_CHUNK_BYTES": ["100", "4M"],
     "CYCLE_TIME": ["fast", "-1", "nan", "inf"],
-    "CACHE_CAPACITY": ["-5", "1.5"],
+    "CACHE_CAPACITY": ["-5", "1.5", "1048577"],
     "STALL_CHECK_DISABLE": ["maybe", "2"],
     "STALL_CHECK_TIME_SECONDS": ["-1", "60s"],
     "STALL_SHUTDOWN_TIME_SECONDS": ["inf", "abc"],
