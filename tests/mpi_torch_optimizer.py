@@ -230,10 +230,12 @@ def test_parameters_unfrozen_after_wrapping_are_reduced(added_later):
     assert_replicas_identical(model, f"unfrozen.{added_later}")
 
 
-def test_sparse_parameter_without_a_gradient_on_some_ranks():
+@pytest.mark.parametrize("groups", [None, 1])
+def test_sparse_parameter_without_a_gradient_on_some_ranks(groups):
     """A sparse embedding that only some ranks use in a step: the others have no gradient and
     submit dense zeros, meet the sparse ranks' allgather in a MismatchError, and every rank
-    resubmits it as sparse; afterwards the zero-gradient ranks know and go sparse at once."""
+    resubmits it as sparse; afterwards the zero-gradient ranks know and go sparse at once.
+    In a group the sparse gradient is reduced dense, next to the other ranks' zeros."""
     if N == 1:
         pytest.skip("needs two ranks")
 
@@ -252,7 +254,7 @@ def test_sparse_parameter_without_a_gradient_on_some_ranks():
     model = copy.deepcopy(ref)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
-                                   named_parameters=model.named_parameters())
+                                   named_parameters=model.named_parameters(), groups=groups)
     x = torch.ones(2, 3)
     users = [{0}, set(range(N)), {N - 1}, set()]  # which ranks use the embedding, step by step
     for step, who in enumerate(users):
@@ -264,7 +266,7 @@ def test_sparse_parameter_without_a_gradient_on_some_ranks():
         ref_opt.step()
         opt.step()
         assert_parity(model, ref)
-    assert_replicas_identical(model, "sparse.partial")
+    assert_replicas_identical(model, f"sparse.partial.{groups}")
 
 
 # behaviour -------------------------------------------------------------------------------------

@@ -322,9 +322,11 @@ class _DistributedOptimizer:
         for p in params:
             self._hvddp_submitted.add(p)
             grad = p.grad
-            sparse = not self._hvddp_sparse_as_dense and (
+            # Within a group a sparse gradient goes dense, as a rank without it sends zeros there:
+            # apart, the group would hold it on some ranks and not on others.
+            sparse = gi is None and not self._hvddp_sparse_as_dense and (
                 grad.layout != torch.strided if grad is not None else p in self._hvddp_sparse_params)
-            if sparse:  # by allgather, one per parameter (also when grouped), under its own name
+            if sparse:  # by allgather, one per parameter, under its own name
                 self._hvddp_sparse_params.add(p)
                 self._hvddp_flights.append(self._hvddp_sparse_flight(p, grad))
                 continue
