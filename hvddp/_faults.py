@@ -114,7 +114,8 @@ def _at_exit(world) -> None:
             _write_status("done", {"rank": _rank})
         return
     if _status_dir:
-        _write_status("failed", {"rank": _rank, "error": _broken.splitlines()[0][:300]})
+        _write_status("failed", {"rank": _rank, "error": _broken.splitlines()[0][:300],
+                                 "time": time.time()})
     _report_and_abort(world, f"[hvddp rank {_rank}] exiting after a fatal hvddp error; aborting the "
                              f"job (MPI_Abort) instead of finalizing MPI, which would wait for ranks "
                              f"that may never get there. The error: {_broken.splitlines()[0][:500]}\n")
@@ -126,7 +127,7 @@ def _abort_on_exception(previous, etype, value, tb, world) -> None:
         text = "".join(traceback.format_exception(etype, value, tb))
         if _status_dir:
             _write_status("failed", {"rank": _rank, "error": f"{etype.__name__}: {value}",
-                                     "traceback": text})
+                                     "traceback": text, "time": time.time()})
         header = (f"[hvddp rank {_rank}] uncaught {etype.__name__} on rank {_rank} of {_size} "
                   f"(pid {os.getpid()} on {socket.gethostname()}); aborting the job with MPI_Abort "
                   f"so that the other ranks do not wait for it. Traceback of rank {_rank}:\n")
@@ -278,8 +279,10 @@ def report(directory: str, np_: int, returncode: int) -> Tuple[int, List[str]]:
 
     Ranks leave files once they called ``hvddp.init()`` (start, done, failed) and, under the rank
     monitor, when they ended abnormally (exit). The first rank to end abnormally is named as the
-    cause; a rank that neither failed nor finished makes the run fail even if the launcher
-    returned 0.
+    cause, except that a ``ShutdownError`` (a peer left while this rank waited for it) comes after
+    any other failure or exit, whatever the clock says: the peer announces its shutdown before its
+    monitor sees it exit. A rank that neither failed nor finished makes the run fail even if the
+    launcher returned 0.
     """
     status = _read_status(directory)
     started, done, failed, exits = status["start"], status["done"], status["failed"], status["exit"]
@@ -289,20 +292,26 @@ def report(directory: str, np_: int, returncode: int) -> Tuple[int, List[str]]:
         info = started.get(rank) or exits.get(rank) or {}
         return f"rank {rank} (pid {info.get('pid', '?')} on {info.get('host', '?')})"
 
-    for rank in sorted(failed):
-        lines.append(f"hvddprun: {who(rank)} raised {failed[rank].get('error', '?')}; the job was aborted.")
-    first = sorted(exits, key=lambda r: exits[r].get("time", 0.0))
-    if first and not failed:
-        lines.append(f"hvddprun: the first rank to fail: {who(first[0])}, which "
-                     f"{exits[first[0]].get('what', 'failed')}" + ("." if len(first) == 1 else
-                                         f"; then {', '.join(who(r) for r in first[1:])}."))
+    events = []  # (follows another rank's failure, time, rank, what happened)
+    for rank, info in failed.items():
+        error = str(info.get("error", "?"))
+        events.append((error.startswith("ShutdownError"), info.get("time", float("inf")), rank,
+                       f"raised {error}"))
+    for rank, info in exits.items():
+        events.append((False, info.get("time", float("inf")), rank, str(info.get("what", "failed"))))
+    events.sort(key=lambda e: e[:3])
+    if events:
+        _, _, rank, what = events[0]
+        lines.append(f"hvddprun: the first rank to fail: {who(rank)}, which {what}")
+        lines += [f"hvddprun: then {who(rank)} {what}" for _, _, rank, what in events[1:]]
+        lines.append("hvddprun: the job was aborted.")
     vanished = sorted(r for r in started if r not in done and r not in failed and r not in exits)
-    if vanished and (failed or first):
+    if vanished and events:
         lines.append(f"hvddprun: the launcher then stopped {', '.join(f'rank {r}' for r in vanished)}.")
     elif vanished and returncode != 0:
         lines.append("hvddprun: no rank finished cleanly (run without the rank monitor, the launcher "
                      "names at most a pid): " + ", ".join(who(r) for r in vanished) + ".")
-    if returncode == 0 and len(started) == np_ and (vanished or first):
+    if returncode == 0 and len(started) == np_ and (vanished or exits):
         lines.append("hvddprun: the launcher reported success, but not every rank finished; failing "
                      "the job.")
         return 1, lines

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -135,8 +136,29 @@ def test_uncaught_exception_under_hvddprun_names_the_rank():
     result, elapsed = hvddprun(["-np", "2", "python", SCRIPT, "raise"], timeout=60)
     out = result.stdout
     assert result.returncode != 0, out
-    assert "hvddprun: rank 1 (pid" in out and "raised RuntimeError: boom on rank 1 at step 3" in out, out
+    assert "hvddprun: the first rank to fail: rank 1 (pid" in out, out
+    assert "which raised RuntimeError: boom on rank 1 at step 3" in out, out
     assert elapsed < 10, f"took {elapsed:.1f} s\n{out}"
+
+
+def test_report_puts_a_peer_shutdown_after_the_rank_that_left(tmp_path):
+    """A rank left (exit 2) and its peer then raised ShutdownError, recorded earlier by the clock
+    (the leaving rank announces its shutdown before its monitor sees it exit): the rank that left
+    is named first."""
+    from hvddp import _faults
+
+    files = {"rank-0.start": {"rank": 0, "pid": 100, "host": "a"},
+             "rank-1.start": {"rank": 1, "pid": 101, "host": "a"},
+             "rank-0.failed": {"rank": 0, "error": "ShutdownError: allreduce 'x': hvddp was shut down",
+                               "time": 1.0},
+             "rank-1.exit": {"rank": 1, "pid": 101, "host": "a", "code": 2, "what": "exited with code 2",
+                             "time": 2.0}}
+    for name, payload in files.items():
+        (tmp_path / name).write_text(json.dumps(payload))
+    code, lines = _faults.report(str(tmp_path), 2, 2)
+    assert code == 2
+    assert lines[0] == "hvddprun: the first rank to fail: rank 1 (pid 101 on a), which exited with code 2", lines
+    assert lines[1].startswith("hvddprun: then rank 0 (pid 100 on a) raised ShutdownError"), lines
 
 
 @pytest.mark.parametrize("warning", ["on", "off"])
