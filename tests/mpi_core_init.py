@@ -36,10 +36,18 @@ for _ in range(3):
     hvddp.allreduce(np.ones(8), name="traced")
 hvddp.stop_timeline()
 hvddp.allreduce(np.ones(8), name="untraced")
+quiet = os.path.join(out_dir, "dynamic_no_marks.json")
+hvddp.start_timeline(quiet)  # mark_cycles=False: no CYCLE_START marks
+hvddp.allreduce(np.ones(8), name="traced.quiet")
+hvddp.stop_timeline()
 if world == 0:
     events = json.load(open(path))
     rows = {e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert "allreduce.traced" in rows and "allreduce.untraced" not in rows, rows
+    assert any(e["name"] == "CYCLE_START" for e in events), "start_timeline(mark_cycles=True) marked no cycle"
+    events = json.load(open(quiet))
+    assert "allreduce.traced.quiet" in {e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert not any(e["name"] == "CYCLE_START" for e in events), "cycle marks without mark_cycles"
 hvddp.shutdown()
 
 # 4. after shutdown, the same ProcessSet object registers again on every rank (members or not)

@@ -132,7 +132,7 @@ def test_parity_unused_and_rank_dependent_parameters(kind):
     assert_replicas_identical(model, f"unused.{kind}")
 
 
-@pytest.mark.parametrize("groups", [2, "explicit"])
+@pytest.mark.parametrize("groups", [2, "explicit", "num_groups"])
 def test_parity_groups(groups):
     torch.manual_seed(0)
     ref = Net()
@@ -140,8 +140,14 @@ def test_parity_groups(groups):
     # explicit: two groups; fc2.bias is left out and reduced on its own
     grouping = groups if groups != "explicit" else [[model.fc1.weight, model.fc2.weight], [model.fc1.bias]]
     ref_opt = OPTIMIZERS["sgd"](ref.parameters())
-    opt = hvd.DistributedOptimizer(OPTIMIZERS["sgd"](model.parameters()),
-                                   named_parameters=model.named_parameters(), groups=grouping)
+    if groups == "num_groups":  # Horovod's deprecated spelling, passed by position as in Horovod
+        with pytest.warns(DeprecationWarning, match="num_groups"):
+            opt = hvd.DistributedOptimizer(OPTIMIZERS["sgd"](model.parameters()), model.named_parameters(),
+                                           hvd.Compression.none, 1, hvd.Average, 1.0, 2)
+        assert [len(g) for g in opt._hvddp_groups] == [2, 2]
+    else:
+        opt = hvd.DistributedOptimizer(OPTIMIZERS["sgd"](model.parameters()),
+                                       named_parameters=model.named_parameters(), groups=grouping)
     for step in range(STEPS):
         train_step(model, ref, opt, ref_opt, step)
     assert_parity(model, ref)

@@ -76,6 +76,8 @@ def test_every_exported_name_resolves_and_horovods_names_are_there(module):
     code = (f"import importlib; m = importlib.import_module({module!r})\n"
             f"missing = [n for n in m.__all__ + {HOROVOD_NAMES[module].split()!r} if not hasattr(m, n)]\n"
             "assert not missing, missing\n"
+            "import hvddp.exceptions as e\n"
+            "assert set(e.__all__) <= set(m.__all__), set(e.__all__) - set(m.__all__)\n"
             "assert not any(getattr(m, q)() for q in ('gloo_built', 'gloo_enabled', 'ccl_built', 'rocm_built'))\n"
             "print('names ok')")
     result = _python(code, env={"KERAS_BACKEND": "torch", "TF_CPP_MIN_LOG_LEVEL": "3"}, timeout=120)

@@ -25,7 +25,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 if not _keras.__version__.startswith("3."):  # pragma: no cover
     raise ImportError(f"hvddp.keras supports Keras 3; found keras {_keras.__version__}.")
 
-from hvddp import (Adasum, Average, BackendUnavailableError, Compression, HvddpError, Max, Min,
+from hvddp import (Adasum, Average, BackendUnavailableError, Compression, HvddpError, LauncherMismatchError,
+                   Max, Min,
                    MismatchError, NotInitializedError, ProcessSet, Product, ShutdownError, StallError, Sum,
                    add_process_set, allgather_object, barrier, broadcast_object, ccl_built, cross_rank,
                    cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, global_process_set, init,
@@ -54,6 +55,6 @@ __all__ = [
     "allreduce", "allgather", "broadcast", "broadcast_variables", "broadcast_global_variables", "barrier",
     "join", "broadcast_object", "allgather_object",
     "HvddpError", "NotInitializedError", "BackendUnavailableError", "MismatchError", "ShutdownError",
-    "StallError", "start_timeline", "stop_timeline", "checkpoint", "CheckpointCallback", "save_checkpoint",
+    "StallError", "LauncherMismatchError", "start_timeline", "stop_timeline", "checkpoint", "CheckpointCallback", "save_checkpoint",
     "load_checkpoint",
 ]

@@ -22,7 +22,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("hvddp.tensorflow needs TensorFlow: pip install 'tensorflow-cpu>=2.16' "
                       "(or tensorflow).") from exc
 
-from hvddp import (Adasum, Average, BackendUnavailableError, Compression, HvddpError, Max, Min,
+from hvddp import (Adasum, Average, BackendUnavailableError, Compression, HvddpError, LauncherMismatchError,
+                   Max, Min,
                    MismatchError, NotInitializedError, ProcessSet, Product, ShutdownError, StallError, Sum,
                    add_process_set, allgather_object, barrier, broadcast_object, ccl_built, cross_rank,
                    cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, global_process_set, init,
@@ -44,5 +45,5 @@ __all__ = [
     "barrier", "join", "broadcast_object", "allgather_object",
     "DistributedGradientTape", "broadcast_variables",
     "HvddpError", "NotInitializedError", "BackendUnavailableError", "MismatchError", "ShutdownError",
-    "StallError", "start_timeline", "stop_timeline",
+    "StallError", "LauncherMismatchError", "start_timeline", "stop_timeline",
 ]

@@ -1,8 +1,8 @@
 """hvddp collectives as TensorFlow ops, usable eagerly and inside ``tf.function``.
 
 Each op runs the numpy-level core through ``tf.numpy_function`` (stateful, so inside a
-``tf.function`` TensorFlow keeps the collectives in program order). ``allreduce``,
-``grouped_allreduce``, ``allgather`` and ``broadcast`` have gradients. The ops cannot run inside
+``tf.function`` TensorFlow keeps the collectives in program order). All six ops have gradients
+(the matching collective runs backward, as in Horovod). The ops cannot run inside
 XLA-compiled functions (``jit_compile=True``); they raise a ``ValueError`` that says so.
 
 Names: every collective matches across ranks by name. Without ``name=``, an eager call takes
@@ -281,7 +281,7 @@ def _check_root(root_rank: Any, process_set: ProcessSet, fn: str) -> None:
                          f"Received: root_rank={root_rank}.")
 
 
-# alltoall, reducescatter (no gradients) ----------------------------------------------------
+# alltoall, reducescatter ---------------------------------------------------------------------
 def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
              process_set: ProcessSet = global_process_set) -> Tuple[tf.Tensor, tf.Tensor]:
     """Send ``splits[i]`` rows of ``tensor`` to rank ``i``; gather the rows sent to this rank.

@@ -20,12 +20,13 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
     raise ImportError("hvddp.torch needs PyTorch: `pip install torch` (or `pip install "
                       "hvddp[torch]`).") from _exc
 
-from hvddp import (Adasum, Average, HvddpError, Max, Min, MismatchError, NotInitializedError,
-                   ProcessSet, Product, ReduceOp, ShutdownError, Sum, add_process_set, ccl_built, cross_rank,
-                   cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, global_process_set, init,
-                   is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
-                   mpi_threads_supported, nccl_built, rank, remove_process_set, rocm_built, shutdown, size,
-                   start_timeline, stop_timeline)
+from hvddp import (Adasum, Average, BackendUnavailableError, HvddpError, LauncherMismatchError, Max, Min,
+                   MismatchError, NotInitializedError, ProcessSet, Product, ReduceOp, ShutdownError,
+                   StallError, Sum, add_process_set, ccl_built, cross_rank, cross_size, cuda_built,
+                   ddl_built, gloo_built, gloo_enabled, global_process_set, init, is_homogeneous,
+                   is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
+                   nccl_built, rank, remove_process_set, rocm_built, shutdown, size, start_timeline,
+                   stop_timeline)
 
 from . import checkpoint
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -52,6 +53,7 @@ __all__ = [
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "Average", "Sum", "Min", "Max", "Product", "Adasum", "ReduceOp",
     "HvddpError", "HorovodInternalError", "MismatchError", "NotInitializedError", "ShutdownError",
+    "StallError", "BackendUnavailableError", "LauncherMismatchError",
     "Compression", "Compressor", "Handle",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",

@@ -24,6 +24,7 @@ import contextlib
 import itertools
 import numbers
 import os
+import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -502,6 +503,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          backward_passes_per_step: int = 1,
                          op: ReduceOp = Average,
                          gradient_predivide_factor: float = 1.0,
+                         num_groups: int = 0,
                          groups=None,
                          sparse_as_dense: bool = False,
                          process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
@@ -525,6 +527,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         op: ``Average`` (default) or ``Sum``.
         gradient_predivide_factor: with Average, divide by this before the sum and by
             ``size / factor`` after it.
+        num_groups: Horovod's older spelling of an int ``groups`` (kept at its position, so
+            positional calls port); used when ``groups`` is None, with a DeprecationWarning.
         groups: an int (split the parameters into that many groups) or a list of parameter
             lists; each group is reduced as one atomic grouped allreduce once all its
             gradients are ready.
@@ -546,6 +550,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("DistributedOptimizer: this optimizer is already distributed; wrap the "
                          "original optimizer once.")
+    if num_groups:
+        warnings.warn("DistributedOptimizer: `num_groups` is deprecated (as in Horovod); pass "
+                      "`groups=` instead.", DeprecationWarning, stacklevel=2)
+        if groups is None:
+            groups = num_groups
     base = type(optimizer)
     cls = _classes.get(base)
     if cls is None:

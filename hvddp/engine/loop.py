@@ -155,7 +155,7 @@ class Engine:
             shutdown = self._shutdown_requested
         for entry in new:
             self._pending[entry.key] = entry
-        if self.timeline and self.config.timeline_mark_cycles:
+        if self.timeline and self.timeline.mark_cycles:  # HVDDP_TIMELINE_MARK_CYCLES or start_timeline()
             self.timeline.mark_cycle()
 
         unsent = self._classify(now)
