@@ -17,8 +17,11 @@ class HvddpError(RuntimeError):
     """Base class of every error raised by hvddp itself."""
 
 
-class NotInitializedError(HvddpError):
-    """A function that needs ``hvddp.init()`` was called before it (or after ``shutdown()``)."""
+class NotInitializedError(HvddpError, ValueError):
+    """A function that needs ``hvddp.init()`` was called before it (or after ``shutdown()``).
+
+    Also a ``ValueError``: Horovod raises that there, and ported scripts catch it.
+    """
 
 
 class BackendUnavailableError(HvddpError):

@@ -134,7 +134,7 @@ def test_metric_average_callback():
     x = np.full((8, 5), 0.1 * (RANK + 1), "float32")
     y = np.full((8, 3), float(RANK), "float32")  # the loss differs per rank
     history = model.fit(x, y, batch_size=4, epochs=2, verbose=0,
-                        callbacks=[Record(), hvd.callbacks.MetricAverageCallback()])
+                        callbacks=[Record(), hvd.callbacks.MetricAverageCallback(device="")])
     for epoch in range(2):
         every = hvd.allgather_object(local[epoch], name=f"test.metrics.{epoch}")
         for key in ("loss", "mae"):
@@ -330,6 +330,9 @@ def test_helpers_on_numpy_and_tensors():
     np.testing.assert_allclose(ops.convert_to_numpy(out), np.arange(4) * SIZE + 100 * SIZE * (SIZE - 1) / 2)
     variable = keras.Variable(value)
     np.testing.assert_allclose(ops.convert_to_numpy(hvd.allreduce(variable, name="test.h.var")), mean)
+    listed = hvd.allreduce([1.0 + RANK, 2.0], name="test.h.list")  # a backend tensor, as in Horovod
+    assert type(listed) is type(tensor)
+    np.testing.assert_allclose(ops.convert_to_numpy(listed), [1.0 + (SIZE - 1) / 2, 2.0])
     gathered = hvd.allgather(ops.reshape(tensor, (1, 4)), name="test.h.gather")
     np.testing.assert_allclose(ops.convert_to_numpy(gathered)[:, 0], 100 * np.arange(SIZE))
     np.testing.assert_allclose(ops.convert_to_numpy(hvd.broadcast(tensor, 0, name="test.h.bcast")),

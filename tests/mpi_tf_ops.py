@@ -52,6 +52,7 @@ def test_alltoall_with_splits():
     splits = [r + 1 for r in range(SIZE)]
     tensor = tf.range(sum(splits)) + 100 * RANK
     out, received = hvd.alltoall(tensor, splits=splits, name="t.alltoall")
+    assert received.dtype == tf.int32  # as Horovod's op
     np.testing.assert_array_equal(received.numpy(), [RANK + 1] * SIZE)
     start = sum(splits[:RANK])
     want = np.concatenate([np.arange(start, start + RANK + 1) + 100 * r for r in range(SIZE)])
@@ -107,7 +108,7 @@ def _mlp(seed):
     return [tf.Variable(rng.normal(size=(5, 8)).astype("float32"), name="w1"),
             tf.Variable(np.zeros(8, "float32"), name="b1"),
             tf.Variable(rng.normal(size=(8, 3)).astype("float32"), name="w2"),
-            tf.Variable(np.ones(3, "float32"), name="unused")]  # no gradient: reduced as zeros
+            tf.Variable(np.ones(3, "float32"), name="unused")]  # no rank has a gradient for it
 
 
 def _loss(variables, x, y):
@@ -135,8 +136,7 @@ def test_custom_loop_parity(mode):
             if distributed:
                 tape = hvd.DistributedGradientTape(tape)
             grads = tape.gradient(loss, variables)
-            if distributed:
-                assert grads[3] is not None  # a None gradient comes back as the (zero) average
+            assert grads[3] is None  # no rank has it: None, as in one process, so Adam-like rules skip it
             grads_and_vars = [(g, v) for g, v in zip(grads, variables) if g is not None]
             optimizer.apply_gradients(grads_and_vars)
             return loss
@@ -226,3 +226,72 @@ def test_reducescatter_and_alltoall_gradients(mode):
     np.testing.assert_allclose(d_sum, rows)  # rank r's rows carry weight r + 1
     np.testing.assert_allclose(d_avg, rows * 2.0 / SIZE)
     np.testing.assert_allclose(d_a2a, rows)  # rows 2r, 2r+1 went to rank r
+
+
+def test_horovod_tf2_example_broadcasts_inside_the_function_on_the_first_batch():
+    """Horovod's TF2 examples call broadcast_variables inside the tf.function of the training
+    step, on the first batch, for the model's and the optimizer's variables."""
+    import keras
+
+    keras.utils.set_random_seed(100 + RANK)  # replicas start apart
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(3)])
+    opt = keras.optimizers.Adam(0.01)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def training_step(x, y, first_batch):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        tape = hvd.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        if first_batch:
+            hvd.broadcast_variables(model.variables, root_rank=0)
+            hvd.broadcast_variables(opt.variables, root_rank=0)
+        return loss
+
+    rng = np.random.default_rng(RANK)
+    for step in range(3):
+        x = tf.constant(rng.normal(size=(4, 5)).astype("float32"))
+        y = tf.constant(rng.integers(0, 3, size=4).astype("int32"))
+        training_step(x, y, step == 0)
+    assert_replicas_identical([v.numpy() for v in model.variables + opt.variables], "tf2.example")
+
+
+def test_tensorflow_distributed_optimizer_is_the_keras_one():
+    import keras
+
+    from hvddp.keras import is_distributed
+
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0))
+    assert is_distributed(opt)
+    v = keras.Variable(np.zeros(2, "float32"))
+    opt.apply_gradients([(tf.constant([float(RANK), 1.0]), v)])
+    np.testing.assert_allclose(v.numpy(), [-(SIZE - 1) / 2, -1.0])  # the average gradient
+    with pytest.raises(TypeError, match="keras.optimizers.Optimizer"):
+        hvd.DistributedOptimizer(object())
+    with pytest.raises(hvd.HvddpError, match="broadcast_variables"):
+        hvd.broadcast_global_variables(0)
+
+
+def test_tape_gradient_only_some_ranks_have():
+    """Eagerly a gradient one rank lacks is reduced as its zeros: every rank gets the average.
+    Inside a tf.function that is rank-dependent graph code, and every rank raises."""
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    v = tf.Variable([1.0, 2.0], name="sometimes")
+    w = tf.Variable([3.0], name="always")
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(w * 2.0) + (tf.reduce_sum(v) if RANK == 0 else 0.0)
+    gv, gw = hvd.DistributedGradientTape(tape).gradient(loss, [v, w])
+    np.testing.assert_allclose(gv.numpy(), [1.0 / SIZE] * 2)
+    np.testing.assert_allclose(gw.numpy(), [2.0])
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * 2.0) + (tf.reduce_sum(v) if RANK == 0 else 0.0)
+        return hvd.DistributedGradientTape(tape).gradient(loss, [v, w])
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="None on some ranks"):
+        step()

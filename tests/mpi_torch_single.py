@@ -13,6 +13,8 @@ def test_calls_before_init_raise():
     assert not hvd.is_initialized()
     with pytest.raises(hvd.NotInitializedError, match="init"):
         hvd.allreduce(torch.ones(2))
+    with pytest.raises(ValueError):  # what Horovod raises there, and ported scripts catch
+        hvd.size()
     with pytest.raises(hvd.NotInitializedError):
         hvd.DistributedOptimizer(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
 

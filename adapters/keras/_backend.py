@@ -25,9 +25,12 @@ def name() -> str:
 
 
 def unwrap(value: Any) -> Any:
-    """Return a Keras variable's current value (a backend tensor); anything else unchanged."""
+    """Return a Keras variable's current value, or a list or tuple of numbers as a tensor of the
+    active backend (as Horovod's Keras package makes one of it); anything else unchanged."""
     import keras
 
+    if isinstance(value, (list, tuple)):
+        return keras.ops.convert_to_tensor(value)
     return value.value if isinstance(value, keras.Variable) else value
 
 

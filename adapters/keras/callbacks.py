@@ -71,7 +71,8 @@ class MetricAverageCallback(keras.callbacks.Callback):
     Every rank must report the same metric names.
     """
 
-    def __init__(self, process_set: ProcessSet = global_process_set):
+    def __init__(self, device: str = "", process_set: ProcessSet = global_process_set):
+        """``device`` is accepted for Horovod compatibility and ignored."""
         super().__init__()
         self.process_set = process_set
 

@@ -22,7 +22,8 @@ def allreduce(value: Any, name: Optional[str] = None, average: Optional[bool] = 
     """Reduce ``value`` across ranks (Average by default) and return the result.
 
     ``value`` is a numpy array or number (the result is a numpy array) or a tensor of the
-    active Keras backend (the result is one too; usable inside ``tf.function`` and ``jax.jit``).
+    active Keras backend, or a list of numbers, made one (the result is one too; usable inside
+    ``tf.function`` and ``jax.jit``).
     Every rank makes the same call with the same name, shape and dtype. Blocks.
     """
     op = _grouping.check_op(op, average, "allreduce")

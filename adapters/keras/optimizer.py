@@ -103,28 +103,12 @@ class _DistributedOptimizerMixin:
 
 
 def _drop_absent(reduced: List[Any], flags: Any, present: List[bool]) -> List[Any]:
-    """None for the gradients no rank had, so the wrapped optimizer skips them as it would in
-    one process (no weight decay, no momentum step on an unused variable).
-
-    ``flags`` is the reduced presence vector: entry i over the last entry (which every rank set
-    to 1, so the ratio undoes Average's and any other scaling) is the share of ranks that had
-    gradient i. Eagerly that decides per variable. In a ``tf.function`` it is not known when the
-    step is traced: a gradient is dropped where it was None here (TensorFlow's None is a property
-    of the traced graph, the same on every rank of one model), and a runtime check raises on
-    every rank if some rank had it after all.
-    """
+    """None for the gradients no rank had (see ``hvddp.tensorflow.ops.drop_absent``, which the
+    TensorFlow backend uses, also inside a ``tf.function``)."""
     if _backend.name() == "tensorflow":
-        import tensorflow as tf
+        from hvddp.tensorflow.ops import drop_absent
 
-        if not tf.executing_eagerly():
-            share = flags[:-1] / flags[-1]
-            partial = tf.reduce_any(tf.logical_and(share > 0.0, share < 1.0))
-            check = tf.debugging.Assert(tf.logical_not(partial), [
-                "hvddp.keras: a gradient is None on some ranks and not on others inside a tf.function "
-                "(rank-dependent model code?); every rank must compute the same gradients. Shares of "
-                "ranks with each gradient:", share])
-            with tf.control_dependencies([check]):
-                return [tf.identity(r) if p else None for r, p in zip(reduced, present)]
+        return drop_absent(reduced, flags, present, "hvddp.keras")
     share = np.asarray(keras.ops.convert_to_numpy(flags), dtype=np.float64)
     return [None if share[i] == 0.0 else r for i, r in enumerate(reduced)]
 

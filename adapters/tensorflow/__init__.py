@@ -31,7 +31,7 @@ from hvddp import (Adasum, Average, BackendUnavailableError, Compression, HvddpE
                    mpi_threads_supported, nccl_built, rank, remove_process_set, rocm_built, shutdown, size,
                    start_timeline, stop_timeline)
 
-from .functions import broadcast_variables
+from .functions import DistributedOptimizer, broadcast_global_variables, broadcast_variables
 from .gradient_tape import DistributedGradientTape
 from .ops import allgather, allreduce, alltoall, broadcast, grouped_allreduce, reducescatter
 
@@ -43,7 +43,7 @@ __all__ = [
     "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression",
     "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
     "barrier", "join", "broadcast_object", "allgather_object",
-    "DistributedGradientTape", "broadcast_variables",
+    "DistributedGradientTape", "DistributedOptimizer", "broadcast_variables", "broadcast_global_variables",
     "HvddpError", "NotInitializedError", "BackendUnavailableError", "MismatchError", "ShutdownError",
     "StallError", "LauncherMismatchError", "start_timeline", "stop_timeline",
 ]

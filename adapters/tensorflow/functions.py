@@ -1,39 +1,113 @@
-"""Variable helpers for TensorFlow: broadcast variables from a root rank."""
+"""Variable helpers for TensorFlow: broadcast variables from a root rank, and the Keras-optimizer
+entry points Horovod's TensorFlow package has."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, List, Optional
 
 import numpy as np
 import tensorflow as tf
 
 import hvddp
-from hvddp import ProcessSet, _grouping, global_process_set
+from hvddp import Compression, ProcessSet, _grouping, global_process_set
 
 from .gradient_tape import source_label
+from .ops import _check_root, _check_xla
 
-__all__ = ["broadcast_variables"]
+__all__ = ["broadcast_variables", "broadcast_global_variables", "DistributedOptimizer"]
 
 
 def broadcast_variables(variables: Iterable[Any], root_rank: int,
-                        process_set: ProcessSet = global_process_set) -> None:
+                        process_set: ProcessSet = global_process_set, inplace: bool = False) -> Optional[Any]:
     """Assign ``root_rank``'s values to ``variables`` on every rank.
 
-    Call it eagerly (outside ``tf.function``) after the variables exist, typically once before
-    training so that differently initialised replicas start equal. Every rank passes the same
-    variables in the same order; one small exchange first compares the lists (count, shapes,
-    dtypes), so a different model on some rank raises ``MismatchError`` on every rank.
+    Call it after the variables exist, typically once before training so that differently
+    initialised replicas start equal: eagerly, or inside a ``tf.function`` (as Horovod's TF2
+    examples do on the first batch), where it runs as one op when the function runs. Every
+    rank passes the same variables in the same order; one small exchange first compares the
+    lists (count, shapes, dtypes), so a different model on some rank raises ``MismatchError``
+    on every rank.
 
     Args:
         variables: ``tf.Variable`` or Keras variables.
         root_rank: the rank whose values win.
         process_set: the ranks taking part.
+        inplace: accepted for Horovod compatibility; the variables are always assigned.
+
+    Returns:
+        None eagerly; inside a ``tf.function``, the op that assigns them.
     """
     variables = list(variables)
-    values = [np.asarray(v.numpy()) for v in variables]
-    _grouping.check_same_lists("tf.bcast.check", [source_label(v, i) for i, v in enumerate(variables)],
-                               [a.shape for a in values], [a.dtype.name for a in values], process_set)
+    _check_root(root_rank, process_set, "broadcast_variables")
+    labels = [source_label(v, i) for i, v in enumerate(variables)]
+    if tf.executing_eagerly():
+        values = _broadcast_values([np.asarray(v.numpy()) for v in variables], labels, root_rank, process_set)
+        for v, value in zip(variables, values):
+            v.assign(tf.convert_to_tensor(value, dtype=v.dtype))
+        return None
+    if not variables:
+        return tf.no_op()
+    _check_xla("broadcast_variables")
+    tensors = [tf.convert_to_tensor(v) for v in variables]
+
+    def body(*values):
+        return _broadcast_values([np.asarray(x) for x in values], labels, root_rank, process_set)
+
+    outs = tf.numpy_function(body, tensors, [t.dtype for t in tensors], stateful=True,
+                             name="HvddpBroadcastVariables")
+    assigns = []
+    for v, t, out in zip(variables, tensors, outs):
+        out.set_shape(t.shape)
+        assigns.append(v.assign(out))
+    return tf.group(*assigns)
+
+
+def _broadcast_values(values: List[np.ndarray], labels: List[str], root_rank: int,
+                      process_set: ProcessSet) -> List[np.ndarray]:
+    _grouping.check_same_lists("tf.bcast.check", labels, [a.shape for a in values],
+                               [a.dtype.name for a in values], process_set)
     handles = [hvddp.broadcast_async(value, root_rank, name=f"tf.bcast.{i}", process_set=process_set)
                for i, value in enumerate(values)]
-    for v, h in zip(variables, handles):
-        v.assign(tf.convert_to_tensor(h.wait(), dtype=v.dtype))
+    return [np.asarray(h.wait(), dtype=value.dtype) for value, h in zip(values, handles)]
+
+
+def broadcast_global_variables(root_rank: int) -> None:
+    """Raise, as Horovod's TensorFlow package does under eager TensorFlow 2.
+
+    Raises:
+        HvddpError (a RuntimeError): always, naming ``broadcast_variables`` instead.
+    """
+    raise hvddp.HvddpError(
+        f"broadcast_global_variables({root_rank!r}): TensorFlow 2 keeps no global variable collection. "
+        f"Use hvd.broadcast_variables(model.variables + optimizer.variables, root_rank={root_rank!r}) "
+        f"once they exist (eagerly, or on the first step inside a tf.function).")
+
+
+def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, use_locking: bool = False,
+                         device_dense: str = "", device_sparse: str = "", compression: Any = Compression.none,
+                         sparse_as_dense: bool = False, backward_passes_per_step: int = 1,
+                         op: Any = hvddp.Average, gradient_predivide_factor: float = 1.0,
+                         average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = None,
+                         process_set: ProcessSet = global_process_set) -> Any:
+    """Wrap a Keras optimizer so that it averages gradients across ranks, as Horovod's
+    ``horovod.tensorflow.DistributedOptimizer`` does for Keras optimizers: it is
+    ``hvddp.keras.DistributedOptimizer`` (see there); ``use_locking`` is accepted and ignored.
+    TensorFlow 1's legacy optimizers do not exist in Keras 3.
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``keras.optimizers.Optimizer``.
+    """
+    import keras
+
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"hvddp.tensorflow.DistributedOptimizer wraps a keras.optimizers.Optimizer (TF1's "
+                        f"legacy optimizers are not supported); Received: optimizer={type(optimizer).__name__}. "
+                        f"For a custom loop, hvd.DistributedGradientTape(tape) averages the gradients instead.")
+    from hvddp.keras import DistributedOptimizer as keras_distributed
+
+    return keras_distributed(optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
+                             compression=compression, sparse_as_dense=sparse_as_dense,
+                             gradient_predivide_factor=gradient_predivide_factor, op=op,
+                             backward_passes_per_step=backward_passes_per_step,
+                             average_aggregated_gradients=average_aggregated_gradients,
+                             num_groups=num_groups, groups=groups, process_set=process_set)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Any, List
 
+import numpy as np
 import tensorflow as tf
 
 import hvddp
 from hvddp import Compression, ProcessSet, global_process_set
 
 from hvddp import _grouping
-from .ops import reduce_gradients
+from .ops import drop_absent, reduce_gradients
 
 __all__ = ["DistributedGradientTape", "source_label"]
 
@@ -38,9 +39,11 @@ class _DistributedGradientTapeMixin:
         """Return the gradients of ``target``, averaged across ranks.
 
         Same arguments as ``tf.GradientTape.gradient``. Every rank must call it with the same
-        sources (same names, shapes and dtypes, checked once per list). A ``None`` gradient is
-        reduced as zeros, so where another rank has a gradient this rank gets the average
-        rather than ``None``. Sparse gradients (``tf.IndexedSlices``) are reduced as dense ones.
+        sources (same shapes and dtypes). A ``None`` gradient is reduced as zeros, so where
+        another rank has a gradient this rank gets the average; one that no rank had stays
+        ``None`` (an optimizer then skips it, as in one process). Inside a ``tf.function`` a
+        gradient that is ``None`` on some ranks only raises on every rank. Sparse gradients
+        (``tf.IndexedSlices``) are reduced as dense ones.
 
         Raises:
             hvddp.MismatchError: ranks pass different sources (names the first difference).
@@ -54,9 +57,14 @@ class _DistributedGradientTapeMixin:
             return grads
         labels = [source_label(s, i) for i, s in enumerate(flat_sources)]
         settings = self._hvddp
-        reduced: List[Any] = reduce_gradients(flat_grads, flat_sources, labels, "tf.grads", settings["op"],
+        # which ranks have each gradient, as one more member of the group: 1 per gradient, then a 1
+        present = [g is not None for g in flat_grads]
+        flags = tf.constant(np.array(present + [True], dtype=np.float32))
+        reduced: List[Any] = reduce_gradients(flat_grads + [flags], flat_sources + [flags],
+                                              labels + ["(which gradients exist)"], "tf.grads", settings["op"],
                                               settings["gradient_predivide_factor"], settings["compression"],
                                               settings["process_set"])
+        reduced = drop_absent(reduced[:-1], reduced[-1], present, "hvddp.tensorflow.DistributedGradientTape")
         return tf.nest.pack_sequence_as(sources, reduced)
 
 

@@ -203,6 +203,30 @@ def reduce_gradients(grads: Sequence[Any], sources: Sequence[Any], labels: Seque
     return _grouped_raw(dense, prefix, labels, red_op, pre, post, compression, process_set)
 
 
+def drop_absent(reduced: List[Any], flags: Any, present: List[bool], who: str) -> List[Any]:
+    """None for the gradients no rank had, so an optimizer skips them as it would in one process
+    (no weight decay, no momentum step on an unused variable).
+
+    ``flags`` is the reduced presence vector: entry i over the last entry (which every rank set
+    to 1, so the ratio undoes Average's and any other scaling) is the share of ranks that had
+    gradient i. Eagerly that decides per variable. In a ``tf.function`` it is not known when the
+    step is traced: a gradient is dropped where it was None here (TensorFlow's None is a property
+    of the traced graph, the same on every rank of one model), and a runtime check raises on
+    every rank if some rank had it after all.
+    """
+    if not tf.executing_eagerly():
+        share = flags[:-1] / flags[-1]
+        partial = tf.reduce_any(tf.logical_and(share > 0.0, share < 1.0))
+        check = tf.debugging.Assert(tf.logical_not(partial), [
+            f"{who}: a gradient is None on some ranks and not on others inside a tf.function "
+            "(rank-dependent model code?); every rank must compute the same gradients. Shares of "
+            "ranks with each gradient:", share])
+        with tf.control_dependencies([check]):
+            return [tf.identity(r) if p else None for r, p in zip(reduced, present)]
+    share = np.asarray(flags, dtype=np.float64)
+    return [None if share[i] == 0.0 else r for i, r in enumerate(reduced)]
+
+
 # allgather --------------------------------------------------------------------------------
 def allgather(tensor: Any, name: Optional[str] = None, process_set: ProcessSet = global_process_set
               ) -> tf.Tensor:
@@ -287,7 +311,7 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
     """Send ``splits[i]`` rows of ``tensor`` to rank ``i``; gather the rows sent to this rank.
 
     Without ``splits`` the first dimension is split evenly (it must divide by the number of
-    ranks). Returns ``(received, received_splits)`` as in Horovod 0.28. The gradient sends the
+    ranks). Returns ``(received, received_splits)`` (int32) as in Horovod 0.28. The gradient sends the
     received rows' gradients back where they came from (the reverse alltoall).
     """
     tensor = _dense(tensor, "alltoall")
@@ -302,7 +326,7 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
     def body(x, s):
         given = None if s.size == 0 else [int(v) for v in s]
         out, received = hvddp.alltoall_async(x, given, name=name, process_set=process_set).wait()
-        return np.asarray(out, dtype=x.dtype), np.asarray(received, dtype=np.int64)
+        return np.asarray(out, dtype=x.dtype), np.asarray(received, dtype=np.int32)
 
     def grad_body(dy, back):
         out, _ = hvddp.alltoall_async(dy, [int(v) for v in back], name=name + ".grad",
@@ -311,7 +335,7 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
 
     @tf.custom_gradient
     def _op(x):
-        out, received = _py(body, [x, splits_t], [x.dtype, tf.int64], "HvddpAlltoall")
+        out, received = _py(body, [x, splits_t], [x.dtype, tf.int32], "HvddpAlltoall")
         out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
         received.set_shape([size])
 
