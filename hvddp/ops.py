@@ -54,14 +54,17 @@ SUPPORTED_DTYPES = ("uint8", "int8", "int16", "int32", "int64", "float16", "bflo
 _DTYPE_NAMES = {np.dtype(n): n for n in SUPPORTED_DTYPES if n != "bfloat16"}
 _DTYPE_NAMES[np.dtype(ml_dtypes.bfloat16)] = "bfloat16"
 
-_counters = {}
-
-
-def _auto_name(kind: str) -> str:
-    counter = _counters.get(kind)
+def _auto_name(kind: str, process_set: ProcessSet) -> str:
+    """The next name for an unnamed call of ``kind`` on ``process_set``, counted per set (and
+    per ``init()``): calls that only a set's members make must not shift the names of calls on
+    other sets. Take it only once the call is known to be valid: a refused call takes none."""
+    ps_id = process_set.process_set_id
+    counters = runtime._state().auto_names
+    counter = counters.get((kind, ps_id))
     if counter is None:
-        counter = _counters[kind] = itertools.count()
-    return f"{kind}.noname.{next(counter)}"
+        counter = counters[(kind, ps_id)] = itertools.count()
+    n = next(counter)
+    return f"{kind}.noname.{n}" if ps_id == 0 else f"{kind}.ps{ps_id}.noname.{n}"
 
 
 def _check_name(name: Any, fn: str) -> Optional[str]:
@@ -218,7 +221,7 @@ def _allreduce_one(tensor: Any, name: Optional[str], process_set: ProcessSet, in
             not flags.c_contiguous or (inplace and not flags.writeable):
         return None
     if name is None:  # only now: a counter consumed here must not be consumed again
-        name = _auto_name("allreduce")
+        name = _auto_name("allreduce", process_set)
     handle = Handle(name, 1, tensor)
     request = Request(Kind.ALLREDUCE, process_set.process_set_id, name, dtype_name, tensor.shape, op)
     state.engine.submit_one(Entry(request, tensor, tensor if inplace else None, handle, 0, _monotonic()))
@@ -226,7 +229,7 @@ def _allreduce_one(tensor: Any, name: Optional[str], process_set: ProcessSet, in
 
 
 def _member_names(fn: str, base: Optional[str], names: Optional[Sequence[str]], count: int,
-                  kind: str) -> Tuple[str, List[str]]:
+                  kind: str, process_set: ProcessSet) -> Tuple[str, List[str]]:
     """Names of a group's members: ``names`` when given, else ``<base>.<i>``."""
     if names is not None:
         if isinstance(names, str) or len(names) != count:
@@ -235,7 +238,7 @@ def _member_names(fn: str, base: Optional[str], names: Optional[Sequence[str]], 
         if any(n is None for n in names):
             raise ValueError(f"{fn}: names must not contain None, got {names!r}.")
         return base or names[0], names
-    base = base or _auto_name(kind)
+    base = base or _auto_name(kind, process_set)
     return base, [f"{base}.{i}" for i in range(count)]
 
 
@@ -259,9 +262,9 @@ def _allreduce(fn: str, tensors: Sequence[Any], average, name, op, prescale_fact
             raise TypeError(f"{fn}: {arg} must be a writable numpy array for an in-place collective, "
                             f"got {type(t).__name__}; use the out-of-place form.")
     if grouped:
-        base, names = _member_names(fn, name, names, len(arrays), "grouped_allreduce")
+        base, names = _member_names(fn, name, names, len(arrays), "grouped_allreduce", process_set)
     else:
-        names = [name or _auto_name("allreduce")]
+        names = [name or _auto_name("allreduce", process_set)]
     handle = Handle(base if grouped else names[0], parts=len(arrays), keep=tensors, grouped=grouped)
     group = (_group_id(names), len(names)) if grouped and len(names) > 1 else None
     entries = [_entry(Kind.ALLREDUCE, a, n, view, handle, i, inplace, op=int(op), prescale=pre,
@@ -388,7 +391,7 @@ def _gather_like(kind: Kind, fn: str, tensors: Sequence[Any], name, process_set,
             raise ValueError(f"{fn}: {'tensors[%d]' % i if grouped else 'tensor'} is 0-d; {kind.value} "
                              f"works on the first dimension, so pass at least a 1-d array "
                              f"(e.g. x.reshape(1)).")
-    base = name or _auto_name(f"grouped_{kind.value}" if grouped else kind.value)
+    base = name or _auto_name(f"grouped_{kind.value}" if grouped else kind.value, process_set)
     names = [f"{base}.{i}" for i in range(len(arrays))] if grouped else [base]
     handle = Handle(base, parts=len(arrays), keep=tensors, finish=finish, grouped=grouped)
     group = (_group_id(names), len(names)) if grouped and len(names) > 1 else None
@@ -443,7 +446,7 @@ def _root(fn: str, root_rank, view, process_set) -> int:
 def _broadcast(fn: str, tensor, root_rank, name, process_set, inplace: bool) -> Handle:
     state, view = _process_set(process_set, fn)
     root_rank = _root(fn, root_rank, view, process_set)
-    name = _check_name(name, fn) or _auto_name("broadcast")
+    name = _check_name(name, fn) or _auto_name("broadcast", process_set)
     array = _array(tensor, fn)
     if inplace and not isinstance(tensor, np.ndarray) and not hasattr(array, "dtype_name"):
         raise TypeError(f"{fn}: tensor must be a writable numpy array for an in-place collective, "
@@ -580,7 +583,8 @@ def _control(kind: Kind, name: str, process_set: ProcessSet, fn: str, extra=None
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Block until every member of ``process_set`` has called ``barrier``."""
-    _control(Kind.BARRIER, _auto_name("barrier"), process_set, "barrier").wait()
+    _process_set(process_set, "barrier")  # first: a refused call must not take a name
+    _control(Kind.BARRIER, _auto_name("barrier", process_set), process_set, "barrier").wait()
 
 
 def join(device: int = -1) -> int:
@@ -595,7 +599,7 @@ def join(device: int = -1) -> int:
 
 
 def _process_set_op(what: str, ps: ProcessSet, state):
-    name = _auto_name(f"__process_set_{what}")
+    name = _auto_name(f"__process_set_{what}", global_process_set)
     if what == "add":
         state.pending_process_sets[name] = ps
         handle = _control(Kind.ADD_PROCESS_SET, name, global_process_set, "add_process_set",
@@ -609,9 +613,10 @@ def _process_set_op(what: str, ps: ProcessSet, state):
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Return ``root_rank``'s picklable ``obj`` on every rank (two broadcasts: size, bytes)."""
-    name = _check_name(name, "broadcast_object") or _auto_name("broadcast_object")
+    name = _check_name(name, "broadcast_object")
     _, view = _process_set(process_set, "broadcast_object")
     root_rank = _root("broadcast_object", root_rank, view, process_set)
+    name = name or _auto_name("broadcast_object", process_set)
     is_root = view.rank == root_rank
     data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if is_root else None
     length = np.array([data.size if is_root else 0], dtype=np.int64)
@@ -624,7 +629,9 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
 def allgather_object(obj: Any, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> List[Any]:
     """Return the list of every rank's picklable ``obj``, in rank order."""
-    name = _check_name(name, "allgather_object") or _auto_name("allgather_object")
+    name = _check_name(name, "allgather_object")
+    _process_set(process_set, "allgather_object")
+    name = name or _auto_name("allgather_object", process_set)
     data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
     sizes = allgather(np.array([data.size], dtype=np.int64), f"{name}.size", process_set)
     gathered = allgather(data, f"{name}.data", process_set)

@@ -51,6 +51,17 @@ class ProcessSet:
     def __repr__(self) -> str:
         return f"ProcessSet(id={self.process_set_id}, ranks={self.ranks})"
 
+    # A set is one registered object per process (it holds its communicator): copies of a module
+    # or optimizer that refers to it share it, and a pickle stores its ranks only.
+    def __copy__(self) -> "ProcessSet":
+        return self
+
+    def __deepcopy__(self, memo) -> "ProcessSet":
+        return self
+
+    def __reduce__(self):
+        return _restore_process_set, (None if self is global_process_set else list(self.ranks or ()),)
+
     def _require(self) -> None:
         _state()
         if self.process_set_id is None:
@@ -71,6 +82,18 @@ class ProcessSet:
         """Return the number of ranks in the set."""
         self._require()
         return len(self.ranks)
+
+
+def _restore_process_set(ranks: Optional[List[int]]) -> ProcessSet:
+    """Unpickle a set: the global one, the registered set with these ranks, or else a new
+    unregistered ``ProcessSet(ranks)`` (register it with ``add_process_set`` to use it)."""
+    if ranks is None:
+        return global_process_set
+    if _S is not None:
+        for view in _S.process_sets.values():
+            if view.owner is not global_process_set and list(view.ranks) == ranks:
+                return view.owner
+    return ProcessSet(ranks)
 
 
 # The engine reads .rank/.size/.comm/.ranks; give it those names without the checks.
@@ -107,6 +130,7 @@ class _State:
         self.next_ps_id = 1
         self.pending_process_sets = {}  # name of an add_process_set call -> the caller's object
         self.timeline = None
+        self.auto_names = {}  # (kind, process set id) -> counter of unnamed calls (see ops._auto_name)
 
 
 _S: Optional[_State] = None
@@ -248,7 +272,8 @@ def init(comm=None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None
                 "mpi4py.rc.thread_level below 'serialized'.")
         try:  # before anything is registered or opened (process set ids, the timeline file)
             _check_config_agrees(state.comm, cfg)
-        except ValueError:
+            extra_sets = _check_process_sets(state.comm, process_sets)
+        except (TypeError, ValueError):
             state.comm.Free()
             raise
         from .timeline import Timeline
@@ -274,11 +299,7 @@ def init(comm=None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None
         state.homogeneous = len(set(sizes)) == 1
         global_process_set.ranks = None
         _register(state, global_process_set, 0, state.comm)
-        for ps in process_sets or ():
-            if ps is global_process_set:
-                continue
-            if not isinstance(ps, ProcessSet):
-                raise TypeError(f"init(process_sets=...) takes ProcessSet objects, got {type(ps).__name__}.")
+        for ps in extra_sets:
             _register(state, ps, state.next_ps_id, state.comm)
             state.next_ps_id += 1
         from .engine.loop import Engine
@@ -367,6 +388,43 @@ def cross_size() -> int:
 def is_homogeneous() -> bool:
     """Return True if every node runs the same number of processes."""
     return _state().homogeneous
+
+
+def _check_process_sets(comm, process_sets) -> List[ProcessSet]:
+    """The sets ``init(process_sets=...)`` registers, checked on every rank at once: each one is a
+    communicator that every rank creates in the same order, so a list that differs across ranks
+    (or is bad on one rank) would leave ranks waiting in ``init()`` for each other.
+
+    Raises:
+        TypeError, ValueError: on every rank, naming the rank and what it passed.
+    """
+    size = comm.Get_size()
+    sets, mine, problem = [], None, None
+    try:
+        sets = [ps for ps in (process_sets or ()) if ps is not global_process_set]
+        for ps in sets:
+            if not isinstance(ps, ProcessSet):
+                raise TypeError(f"init(process_sets=...) takes ProcessSet objects, got {type(ps).__name__}.")
+            bad = [r for r in ps.ranks or () if not 0 <= r < size]
+            if bad:
+                raise ValueError(f"init(process_sets=...): ProcessSet ranks {bad} are out of range for "
+                                 f"world size {size}.")
+        mine = [list(ps.ranks) if ps.ranks is not None else list(range(size)) for ps in sets]
+    except (TypeError, ValueError) as exc:
+        problem = exc
+    every = comm.allgather((mine, None if problem is None else (type(problem).__name__, str(problem))))
+    if problem is not None:
+        raise problem
+    failed = next(((r, p) for r, (_, p) in enumerate(every) if p is not None), None)
+    if failed is not None:
+        kind = TypeError if failed[1][0] == "TypeError" else ValueError
+        raise kind(f"rank {failed[0]}: {failed[1][1]}")
+    differ = [r for r, (lists, _) in enumerate(every) if lists != every[0][0]]
+    if differ:
+        raise ValueError(f"init(process_sets=...) differs across ranks: rank 0 passed {every[0][0]}, "
+                         + ", ".join(f"rank {r} {every[r][0]}" for r in differ)
+                         + ". Pass the same sets, in the same order, on every rank.")
+    return sets
 
 
 def _raise_together(comm, error: Optional[ValueError]) -> None:

@@ -295,3 +295,21 @@ def test_tape_gradient_only_some_ranks_have():
 
     with pytest.raises(tf.errors.InvalidArgumentError, match="None on some ranks"):
         step()
+
+
+def test_ranks_outside_the_process_set_keep_their_own_gradients():
+    """As in Horovod: DistributedGradientTape and the Keras DistributedOptimizer on a rank that is
+    not in their process set return the gradients unreduced, instead of refusing."""
+    import keras
+
+    members = hvd.add_process_set([0])
+    v = tf.Variable([1.0, 2.0])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(v) * (RANK + 1)
+    (g,) = hvd.DistributedGradientTape(tape, process_set=members).gradient(loss, [v])
+    np.testing.assert_allclose(g.numpy(), [RANK + 1.0] * 2)
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), process_set=members)
+    w = keras.Variable(np.zeros(2, "float32"))
+    opt.apply_gradients([(tf.constant([float(RANK), 1.0]), w)])
+    np.testing.assert_allclose(w.numpy(), [-float(RANK), -1.0])
+    hvd.remove_process_set(members)

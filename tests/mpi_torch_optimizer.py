@@ -276,6 +276,35 @@ def test_sparse_parameter_without_a_gradient_on_some_ranks(groups):
 
 
 # behaviour -------------------------------------------------------------------------------------
+def test_optimizers_and_sync_batch_norms_on_a_subset_leave_global_names_alone():
+    """Built only on a set's members (a natural process-set pattern), they must not shift the
+    names the next global DistributedOptimizer and SyncBatchNorm reduce under."""
+    if N < 3:
+        pytest.skip("needs a set that leaves a rank out")
+    subset = hvd.add_process_set([0, 1])
+    if subset.included():
+        local = Net()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(local.parameters(), lr=0.1),
+                                       named_parameters=local.named_parameters(), process_set=subset)
+        norm = hvd.SyncBatchNorm(4, process_set=subset)
+        norm(torch.ones(2, 4))
+        local(torch.ones(2, 6)).sum().backward()
+        opt.step()
+    torch.manual_seed(0)
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    norm = hvd.SyncBatchNorm(4)
+    x = torch.full((2, 4), float(R))
+    out = norm(x)  # the global batch's mean is the mean of the ranks
+    torch.testing.assert_close(out, torch.full_like(x, float(R) - (N - 1) / 2) / torch.sqrt(
+        torch.tensor(sum((r - (N - 1) / 2) ** 2 for r in range(N)) / N + norm.eps)))
+    model(torch.ones(2, 6) * R).sum().backward()
+    opt.step()
+    assert_replicas_identical(model, "subset.first")
+    hvd.remove_process_set(subset)
+
+
 def test_wrapper_keeps_class_state_and_round_trips_state_dict():
     model = Net()
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

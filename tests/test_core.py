@@ -174,6 +174,12 @@ def test_timeline_is_valid_chrome_trace(tmp_path):
     assert begins == ends > 0
 
 
+def test_process_sets_removed_in_flight_unnamed_calls_and_init_lists():
+    env = {"HVDDP_STALL_CHECK_TIME_SECONDS": "5", "HVDDP_STALL_SHUTDOWN_TIME_SECONDS": "20"}
+    out = run(3, [os.path.join(ROOT, "tests", "mpi_core_sets.py")], timeout=120, env=env).stdout
+    assert out.count("sets ok") == 3, out
+
+
 def test_init_variants_and_dynamic_timeline(tmp_path):
     out = run(3, [os.path.join(ROOT, "tests", "mpi_core_init.py"), str(tmp_path)], timeout=90,
               env={"HVDDP_TIMELINE": "DYNAMIC"}).stdout

@@ -49,6 +49,8 @@ class _DistributedOptimizerMixin:
     def _hvddp_allreduce(self, grads: List[Any], variables: List[Any]) -> List[Any]:
         settings = self._hvddp_settings()
         ps = settings["process_set"]
+        if not ps.included():  # a rank outside the set trains on its own gradients, as in Horovod
+            return grads
         if ps.size() == 1 and settings["compression"] is Compression.none and settings["postscale"] == 1.0:
             return grads
         if len(grads) != len(variables):

@@ -55,6 +55,8 @@ class _DistributedGradientTapeMixin:
         if hvddp.size() == 1 and self._hvddp["process_set"] is global_process_set \
                 and self._hvddp["compression"] is Compression.none:
             return grads
+        if not self._hvddp["process_set"].included():  # outside the set: its own gradients, as in Horovod
+            return grads
         labels = [source_label(s, i) for i, s in enumerate(flat_sources)]
         settings = self._hvddp
         # which ranks have each gradient, as one more member of the group: 1 per gradient, then a 1

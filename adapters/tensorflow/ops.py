@@ -31,17 +31,19 @@ __all__ = ["allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall
 _counters: Dict[str, Any] = {}
 
 
-def _auto_name(kind: str) -> str:
+def _auto_name(kind: str, process_set: ProcessSet) -> str:
+    # counted per process set: calls only a set's members make must not shift other sets' names
+    tag = kind if process_set is global_process_set else f"{kind}.ps{process_set.process_set_id}"
     if tf.executing_eagerly():
-        counter = _counters.setdefault(kind, itertools.count())
-        return f"tf.{kind}.noname.{next(counter)}"
+        counter = _counters.setdefault((tag, process_set), itertools.count())
+        return f"tf.{tag}.noname.{next(counter)}"
     graph = tf.compat.v1.get_default_graph()
-    return f"tf.{kind}.{graph.name}/{graph.unique_name(kind)}"
+    return f"tf.{tag}.{graph.name}/{graph.unique_name(tag.replace('.', '_'))}"
 
 
-def _name(name: Optional[str], kind: str) -> str:
+def _name(name: Optional[str], kind: str, process_set: ProcessSet) -> str:
     if name is None:
-        return _auto_name(kind)
+        return _auto_name(kind, process_set)
     if not isinstance(name, str) or not name:
         raise TypeError(f"{kind}: name must be a non-empty str or None; Received: name={name!r}.")
     return name
@@ -124,7 +126,7 @@ def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "
     pre = float(prescale_factor)
     post = float(postscale_factor)
     tensor = _dense(tensor, "allreduce")
-    name = _name(name, "allreduce")
+    name = _name(name, "allreduce", process_set)
     _check_xla("allreduce")
     if op not in (hvddp.Average, hvddp.Sum):
         return _allreduce_raw(tensor, name, op, pre, post, compression, process_set)
@@ -164,7 +166,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, de
     tensors = [_dense(t, "grouped_allreduce") for t in tensors]
     if not tensors:
         return []
-    name = _name(name, "grouped_allreduce")
+    name = _name(name, "grouped_allreduce", process_set)
     _check_xla("grouped_allreduce")
     pre, post = float(prescale_factor), float(postscale_factor)
     labels = [f"{name}.{i}" for i in range(len(tensors))]
@@ -238,7 +240,7 @@ def allgather(tensor: Any, name: Optional[str] = None, process_set: ProcessSet =
     tensor = _dense(tensor, "allgather")
     if tensor.shape.rank == 0:
         raise ValueError("allgather: tensor is 0-d; pass at least a 1-d tensor (e.g. tf.reshape(t, [1])).")
-    name = _name(name, "allgather")
+    name = _name(name, "allgather", process_set)
     _check_xla("allgather")
 
     def body(x):
@@ -277,7 +279,7 @@ def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None,
     """
     _check_root(root_rank, process_set, "broadcast")
     tensor = _dense(tensor, "broadcast")
-    name = _name(name, "broadcast")
+    name = _name(name, "broadcast", process_set)
     _check_xla("broadcast")
 
     def body(x):
@@ -315,7 +317,7 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
     received rows' gradients back where they came from (the reverse alltoall).
     """
     tensor = _dense(tensor, "alltoall")
-    name = _name(name, "alltoall")
+    name = _name(name, "alltoall", process_set)
     _check_xla("alltoall")
     size = _size(process_set)
     if splits is None:
@@ -359,7 +361,7 @@ def reducescatter(tensor: Any, name: Optional[str] = None, op: Any = None,
     tensor = _dense(tensor, "reducescatter")
     if tensor.shape.rank == 0:
         raise ValueError("reducescatter: tensor is 0-d; pass at least a 1-d tensor.")
-    name = _name(name, "reducescatter")
+    name = _name(name, "reducescatter", process_set)
     _check_xla("reducescatter")
     pre, post = float(prescale_factor), float(postscale_factor)
 

@@ -42,7 +42,7 @@ from .mpi_ops import allreduce_async_, grouped_allreduce_async_
 
 __all__ = ["DistributedOptimizer"]
 
-_instances = itertools.count()
+_instances = {}  # process set -> counter of the optimizers made on it (they prefix the names)
 
 
 def _defer_cpu_gradients() -> bool:
@@ -188,7 +188,7 @@ class _DistributedOptimizer:
         else:
             self._hvddp_names = {p: f"noname.{i}.{j}" for i, group in enumerate(self.param_groups)
                                  for j, p in enumerate(group["params"])}
-        index = next(_instances)
+        index = next(_instances.setdefault(process_set, itertools.count()))
         self._hvddp_prefix = "grad." if index == 0 else f"grad{index}."
         self._hvddp_compression = compression
         self._hvddp_plain = compression is Compression.none

@@ -15,7 +15,7 @@ from .mpi_ops import allreduce
 
 __all__ = ["SyncBatchNorm"]
 
-_counter = itertools.count()
+_counters = {}  # process set -> counter: layers only a set's members build must not shift the others' names
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -39,7 +39,7 @@ class SyncBatchNorm(_BatchNorm):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device,
                          dtype=dtype)
         self.process_set = process_set
-        self._hvddp_name = f"sync_batch_norm.{next(_counter)}"
+        self._hvddp_name = f"sync_batch_norm.{next(_counters.setdefault(process_set, itertools.count()))}"
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:

@@ -126,7 +126,8 @@ class Coordinator:
     def _stall_text(self, late, now: float, word: str) -> str:
         parts = []
         for (ps_id, name), waiting in late:
-            members = self.process_sets[ps_id].ranks
+            ps = self.process_sets.get(ps_id)  # None: removed (decide() answers it next)
+            members = ps.ranks if ps is not None else []
             missing = [r for r in members if r not in waiting.requests and r not in self.joined]
             kind = next(iter(waiting.requests.values())).kind.value
             parts.append(f"{kind} {name!r} (waiting {now - waiting.first_seen:.1f} s): "
@@ -142,7 +143,8 @@ class Coordinator:
         for key, waiting in self.table.items():
             ps = self.process_sets.get(key[0])
             if ps is None:
-                errors[key] = f"process set {key[0]} does not exist (removed?)"
+                errors[key] = (f"{next(iter(waiting.requests.values())).kind.value} {key[1]!r}: its process "
+                               f"set (id {key[0]}) was removed before every member submitted it.")
                 ready.append(key)
                 continue
             members = ps.ranks

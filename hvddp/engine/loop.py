@@ -183,12 +183,13 @@ class Engine:
             return False
 
         work = self._fast_ready(bits) if self.cache.capacity else []
+        set_changes = []  # process sets to add or remove once this cycle's collectives ran
         if not flags & FLAG_NO_UNSENT:
             decision = self._slow_round(unsent, now)
             if decision.fatal:
                 self._stop_with(StallError(decision.fatal))
                 return False
-            work.extend(self._apply(decision))
+            work.extend(self._apply(decision, set_changes))
         if work:
             with self._lock:
                 for _, entry, _ in work:
@@ -197,8 +198,16 @@ class Engine:
             defer_wakeups()
             try:
                 self.executor.run(work)
+            except BaseException as exc:  # the engine stops; these are no longer pending anywhere
+                for _, entry, _ in work:
+                    if entry is not None:
+                        entry.fail(HvddpError(f"{entry.request.kind.value} {entry.request.name!r}: hvddp "
+                                              f"engine failed on rank {self.rank}: {exc!r}"))
+                raise
             finally:
                 wake_deferred()
+        for response, entry in set_changes:
+            self._change_process_set(response, entry)
         return True
 
     def _classify(self, now: float) -> List[Entry]:
@@ -318,7 +327,10 @@ class Engine:
             decision = pickle.loads(blob.tobytes())
         return decision
 
-    def _apply(self, decision: Decision) -> list:
+    def _apply(self, decision: Decision, set_changes: list) -> list:
+        """This rank's share of ``decision``: the collectives to execute now; process-set
+        additions and removals go to ``set_changes``, to run after them (a removal decided in the
+        same round as a collective on that set must not pull the set from under it)."""
         for key in decision.evict:
             self.cache.evict(key)
         self._join_mode = decision.join_mode
@@ -326,7 +338,8 @@ class Engine:
         for response in decision.responses:
             ps = self.process_sets.get(response.ps_id)
             member = ps is not None and ps.rank >= 0
-            entry = self._pending.pop(response.key(), None) if member else None
+            # (a collective on a set removed since comes back as an error for its submitters)
+            entry = self._pending.pop(response.key(), None) if member or ps is None else None
             if response.error is not None:
                 if entry is not None:
                     with self._lock:
@@ -335,20 +348,36 @@ class Engine:
                 continue
             kind = response.kind
             if kind in (Kind.ADD_PROCESS_SET, Kind.REMOVE_PROCESS_SET):
-                if kind is Kind.REMOVE_PROCESS_SET:
-                    self.cache.evict_process_set(response.request.extra[0])
-                    self.executor.forget_process_set(response.request.extra[0])
-                result = self._make_process_set(kind, response.request, self.comm)
-                if entry is not None:
-                    with self._lock:
-                        self._names.discard(response.key())
-                    entry.complete(result)
+                set_changes.append((response, entry))
                 continue
             if kind is Kind.ALLREDUCE and not decision.join_mode:
                 self.cache.put(response.request)
             if member:
                 work.append((response.request, entry, response.info))
         return work
+
+    def _change_process_set(self, response, entry: Optional[Entry]) -> None:
+        kind = response.kind
+        if kind is Kind.REMOVE_PROCESS_SET:
+            ps_id = response.request.extra[0]
+            self.cache.evict_process_set(ps_id)
+            self.executor.forget_process_set(ps_id)
+            # this rank's collectives on the set that its other members never submitted
+            with self._lock:
+                orphans = [e for e in self._pending.values() if e.request.ps_id == ps_id]
+                orphans += [e for e in self._queue if e.request.ps_id == ps_id]
+                self._queue = [e for e in self._queue if e.request.ps_id != ps_id]
+                for e in orphans:
+                    self._pending.pop(e.key, None)
+                    self._names.discard(e.key)
+            for e in orphans:
+                e.fail(MismatchError(f"{e.request.kind.value} {e.request.name!r}: its process set (id "
+                                     f"{ps_id}) was removed before every member submitted it."))
+        result = self._make_process_set(kind, response.request, self.comm)
+        if entry is not None:
+            with self._lock:
+                self._names.discard(response.key())
+            entry.complete(result)
 
     def _shutdown_collectively(self) -> None:
         who = self.comm.allgather(self._shutdown_requested)

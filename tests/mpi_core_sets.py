@@ -1,0 +1,75 @@
+"""Process sets under 3 ranks, the ways a job can trip over them: removing a set while a collective
+on it is in flight or left pending, unnamed calls that only a set's members make, lists given to
+init(process_sets=...) that differ across ranks, and copies/pickles of a set. Prints `sets ok`."""
+import copy
+import pickle
+
+import numpy as np
+
+import hvddp
+
+hvddp.init()
+rank = hvddp.rank()
+assert hvddp.size() == 3
+
+# 1. removed in the same round as a collective on it: the collective still completes
+s = hvddp.add_process_set([0, 1])
+h = hvddp.allreduce_async(np.ones(3), name="in.flight", op=hvddp.Sum, process_set=s) if s.included() else None
+hvddp.remove_process_set(s)
+if h is not None:
+    assert hvddp.synchronize(h).tolist() == [2.0, 2.0, 2.0]
+
+# 2. removed while only some members submitted: those fail, naming the removal (no hang)
+s = hvddp.add_process_set([0, 1])
+h = hvddp.allreduce_async(np.ones(3), name="orphan", process_set=s) if rank == 0 else None
+hvddp.barrier()
+hvddp.remove_process_set(s)
+if h is not None:
+    try:
+        h.wait(timeout=30)
+    except hvddp.MismatchError as exc:
+        assert "was removed" in str(exc) and "'orphan'" in str(exc), exc
+    else:
+        raise AssertionError("a collective on a removed set completed")
+assert hvddp.allreduce(np.ones(1), name="after.removal", op=hvddp.Sum).tolist() == [3.0]
+
+# 3. unnamed calls only a set's members make (or a refused one) leave the global names alone
+s = hvddp.add_process_set([0, 1])
+if s.included():
+    hvddp.barrier(process_set=s)
+    assert hvddp.broadcast_object({"a": rank}, 0, process_set=s) == {"a": 0}
+    assert hvddp.allgather_object(rank, process_set=s) == [0, 1]
+    hvddp.allreduce(np.ones(2), process_set=s)
+else:
+    try:
+        hvddp.barrier(process_set=s)
+    except ValueError as exc:
+        assert "not a member" in str(exc), exc
+    else:
+        raise AssertionError("a non-member's barrier was accepted")
+hvddp.barrier()
+assert hvddp.broadcast_object({"b": rank}, 0) == {"b": 0}
+assert hvddp.allgather_object(rank) == [0, 1, 2]
+assert hvddp.allreduce(np.ones(2), op=hvddp.Sum).tolist() == [3.0, 3.0]
+
+# 4. copies and pickles: one registered set per process
+assert copy.deepcopy(s) is s and copy.copy(s) is s
+assert pickle.loads(pickle.dumps(s)) is s
+assert pickle.loads(pickle.dumps(hvddp.global_process_set)) is hvddp.global_process_set
+hvddp.remove_process_set(s)
+unregistered = pickle.loads(pickle.dumps(s))
+assert unregistered is not s and unregistered.ranks == [0, 1] and unregistered.process_set_id is None
+hvddp.shutdown()
+
+# 5. init(process_sets=...) that differs across ranks: ValueError on every rank, not a hang
+mine = [hvddp.ProcessSet([0, 1] if rank == 0 else [0, 2])]
+try:
+    hvddp.init(process_sets=mine)
+except ValueError as exc:
+    assert "differs across ranks" in str(exc) and "rank 0 passed [[0, 1]]" in str(exc), exc
+else:
+    raise AssertionError("init() accepted process sets that differ across ranks")
+assert not hvddp.is_initialized()
+hvddp.init(process_sets=[hvddp.ProcessSet([1, 2])])
+assert hvddp.allreduce(np.ones(1), name="clean", op=hvddp.Sum).tolist() == [3.0]
+print("sets ok", flush=True)
