@@ -313,3 +313,37 @@ def test_ranks_outside_the_process_set_keep_their_own_gradients():
     opt.apply_gradients([(tf.constant([float(RANK), 1.0]), w)])
     np.testing.assert_allclose(w.numpy(), [-float(RANK), -1.0])
     hvd.remove_process_set(members)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_grouped_allgather_and_reducescatter_with_gradients(mode):
+    """Each member as its single op: values, and gradients (allgather: the sum over ranks of this
+    rank's rows; reducescatter: the allgather of the rows' gradients, / size for Average)."""
+    wrap = (lambda f: f) if mode == "eager" else tf.function
+    a = tf.fill([RANK + 1, 2], float(RANK))
+    b = tf.ones([2 * SIZE, 3]) * (RANK + 1)
+
+    @wrap
+    def run(a, b):
+        weight = float(RANK + 1)
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch([a, b])
+            ga, gb = hvd.grouped_allgather([a, b], name=f"gag.{mode}")
+            ra, rb = hvd.grouped_reducescatter([b, 2 * b], name=f"grs.{mode}")
+            gathered = tf.reduce_sum(ga * weight) + tf.reduce_sum(gb * weight)
+            scattered = tf.reduce_sum(ra * weight) + tf.reduce_sum(rb * weight)
+        return ga, gb, ra, rb, tape.gradient(gathered, [a, b]), tape.gradient(scattered, b)
+
+    ga, gb, ra, rb, (da, db), ds = run(a, b)
+    rows = sum(r + 1 for r in range(SIZE))
+    np.testing.assert_array_equal(ga.numpy()[:, 0], np.concatenate([[r] * (r + 1) for r in range(SIZE)]))
+    assert ga.shape == (rows, 2) and gb.shape == (2 * SIZE * SIZE, 3)
+    mean = (SIZE + 1) / 2  # the Average of (rank + 1)
+    np.testing.assert_allclose(ra.numpy(), np.full((2, 3), mean))
+    np.testing.assert_allclose(rb.numpy(), np.full((2, 3), 2 * mean))
+    total_weight = SIZE * (SIZE + 1) / 2  # every rank's loss weights the gathered rows by rank + 1
+    np.testing.assert_allclose(da.numpy(), np.full((RANK + 1, 2), total_weight))
+    np.testing.assert_allclose(db.numpy(), np.full((2 * SIZE, 3), total_weight))
+    # d/db of sum(ra * w) + sum(rb * w): rows of rank r carry w_r (1 + 2) / size
+    owner = np.repeat(np.arange(1, SIZE + 1, dtype=np.float64), 2)[:, None]
+    np.testing.assert_allclose(ds.numpy(), owner * 3.0 / SIZE * np.ones((1, 3)))

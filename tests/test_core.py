@@ -64,7 +64,8 @@ HOROVOD_NAMES = {
                    "stop_timeline",
     "hvddp.tensorflow": "DistributedGradientTape broadcast_variables allreduce grouped_allreduce allgather "
                         "broadcast alltoall reducescatter gloo_built ccl_built rocm_built start_timeline "
-                        "stop_timeline",
+                        "stop_timeline grouped_allgather grouped_reducescatter DistributedOptimizer "
+                        "broadcast_global_variables",
 }
 
 

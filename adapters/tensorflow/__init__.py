@@ -33,7 +33,8 @@ from hvddp import (Adasum, Average, BackendUnavailableError, Compression, HvddpE
 
 from .functions import DistributedOptimizer, broadcast_global_variables, broadcast_variables
 from .gradient_tape import DistributedGradientTape
-from .ops import allgather, allreduce, alltoall, broadcast, grouped_allreduce, reducescatter
+from .ops import (allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
+                  grouped_reducescatter, reducescatter)
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
@@ -41,7 +42,8 @@ __all__ = [
     "cuda_built", "gloo_built", "gloo_enabled", "ccl_built", "ddl_built", "rocm_built",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression",
-    "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
+    "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "alltoall", "reducescatter",
+    "grouped_reducescatter",
     "barrier", "join", "broadcast_object", "allgather_object",
     "DistributedGradientTape", "DistributedOptimizer", "broadcast_variables", "broadcast_global_variables",
     "HvddpError", "NotInitializedError", "BackendUnavailableError", "MismatchError", "ShutdownError",

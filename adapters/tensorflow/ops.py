@@ -1,7 +1,7 @@
 """hvddp collectives as TensorFlow ops, usable eagerly and inside ``tf.function``.
 
 Each op runs the numpy-level core through ``tf.numpy_function`` (stateful, so inside a
-``tf.function`` TensorFlow keeps the collectives in program order). All six ops have gradients
+``tf.function`` TensorFlow keeps the collectives in program order). All the ops have gradients
 (the matching collective runs backward, as in Horovod). The ops cannot run inside
 XLA-compiled functions (``jit_compile=True``); they raise a ``ValueError`` that says so.
 
@@ -26,7 +26,8 @@ from hvddp import Compression, ProcessSet, global_process_set
 
 from hvddp import _grouping
 
-__all__ = ["allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter"]
+__all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "alltoall",
+           "reducescatter", "grouped_reducescatter"]
 
 _counters: Dict[str, Any] = {}
 
@@ -394,3 +395,104 @@ def reducescatter(tensor: Any, name: Optional[str] = None, op: Any = None,
         return out, grad
 
     return _op(tensor)
+
+
+# grouped allgather, grouped reducescatter -----------------------------------------------------
+def _outputs(outs) -> List[tf.Tensor]:
+    return list(outs) if isinstance(outs, (list, tuple)) else [outs]
+
+
+def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None,
+                      process_set: ProcessSet = global_process_set) -> List[tf.Tensor]:
+    """Allgather each tensor of a list as one atomic group (one op, one engine submission).
+
+    Members are named ``<name>.<i>``; each has ``allgather``'s contract and gradient.
+    """
+    tensors = [_dense(t, "grouped_allgather") for t in tensors]
+    for i, t in enumerate(tensors):
+        if t.shape.rank == 0:
+            raise ValueError(f"grouped_allgather: tensors[{i}] is 0-d; pass at least 1-d tensors.")
+    if not tensors:
+        return []
+    name = _name(name, "grouped_allgather", process_set)
+    _check_xla("grouped_allgather")
+
+    def body(*xs):
+        outs = hvddp.grouped_allgather(list(xs), name=name, process_set=process_set)
+        return [np.asarray(o, dtype=x.dtype) for o, x in zip(outs, xs)]
+
+    def grad_body(*args):  # the incoming gradients, then this rank's row counts
+        k = len(args) // 2
+        dys, rows = args[:k], [int(r) for r in args[k:]]
+        totals = hvddp.grouped_allreduce(list(dys), name=name + ".grad", op=hvddp.Sum, process_set=process_set)
+        counts = hvddp.allgather(np.asarray([rows], dtype=np.int64), name=name + ".grad.rows",
+                                 process_set=process_set)
+        starts = counts[:_set_rank(process_set)].sum(axis=0)
+        return [np.ascontiguousarray(t[int(s):int(s) + r]) for t, s, r in zip(totals, starts, rows)]
+
+    @tf.custom_gradient
+    def _op(*xs):
+        outs = _outputs(_py(body, list(xs), [x.dtype for x in xs], "HvddpGroupedAllgather"))
+        for o, x in zip(outs, xs):
+            o.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
+
+        def grad(*dys):
+            rows = [tf.shape(x, out_type=tf.int64)[0] for x in xs]
+            gs = _outputs(_py(grad_body, list(dys) + rows, [dy.dtype for dy in dys], "HvddpGroupedAllgatherGrad"))
+            for g, x in zip(gs, xs):
+                g.set_shape(x.shape)
+            return gs
+        return outs, grad
+
+    return list(_op(*tensors))
+
+
+def grouped_reducescatter(tensors: Sequence[Any], name: Optional[str] = None, op: Any = None,
+                          process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> List[tf.Tensor]:
+    """Reducescatter each tensor of a list as one atomic group (one op, one engine submission).
+
+    Members are named ``<name>.<i>``; each has ``reducescatter``'s contract and gradient.
+    """
+    op = _grouping.check_op(op, None, "grouped_reducescatter")
+    tensors = [_dense(t, "grouped_reducescatter") for t in tensors]
+    for i, t in enumerate(tensors):
+        if t.shape.rank == 0:
+            raise ValueError(f"grouped_reducescatter: tensors[{i}] is 0-d; pass at least 1-d tensors.")
+    if not tensors:
+        return []
+    name = _name(name, "grouped_reducescatter", process_set)
+    _check_xla("grouped_reducescatter")
+    pre, post = float(prescale_factor), float(postscale_factor)
+
+    def body(*xs):
+        outs = hvddp.grouped_reducescatter(list(xs), name=name, op=op, process_set=process_set,
+                                           prescale_factor=pre, postscale_factor=post)
+        return [np.asarray(o, dtype=x.dtype) for o, x in zip(outs, xs)]
+
+    def grad_body(*dys):
+        if op not in (hvddp.Average, hvddp.Sum):
+            raise ValueError(f"grouped_reducescatter {name!r}: op={op!r} has no gradient; only Average and "
+                             f"Sum do.")
+        factor = pre * post / (_size(process_set) if op == hvddp.Average else 1)
+        totals = hvddp.grouped_allgather(list(dys), name=name + ".grad", process_set=process_set)
+        return [np.asarray(t * factor, dtype=dy.dtype) for t, dy in zip(totals, dys)]
+
+    @tf.custom_gradient
+    def _op(*xs):
+        outs = _outputs(_py(body, list(xs), [x.dtype for x in xs], "HvddpGroupedReducescatter"))
+        size, rank = _size(process_set), _set_rank(process_set)
+        for o, x in zip(outs, xs):
+            rows = x.shape[0]
+            if rows is not None:
+                rows = rows // size + (1 if rank < rows % size else 0)
+            o.set_shape(tf.TensorShape([rows]).concatenate(x.shape[1:]))
+
+        def grad(*dys):
+            gs = _outputs(_py(grad_body, list(dys), [dy.dtype for dy in dys], "HvddpGroupedReducescatterGrad"))
+            for g, x in zip(gs, xs):
+                g.set_shape(x.shape)
+            return gs
+        return outs, grad
+
+    return list(_op(*tensors))
