@@ -347,3 +347,15 @@ def test_grouped_allgather_and_reducescatter_with_gradients(mode):
     # d/db of sum(ra * w) + sum(rb * w): rows of rank r carry w_r (1 + 2) / size
     owner = np.repeat(np.arange(1, SIZE + 1, dtype=np.float64), 2)[:, None]
     np.testing.assert_allclose(ds.numpy(), owner * 3.0 / SIZE * np.ones((1, 3)))
+
+
+def test_runtime_numbers_as_ops():
+    subset = hvd.add_process_set([0])
+    assert hvd.size_op().numpy() == SIZE and hvd.size_op().dtype == tf.int32
+    assert hvd.rank_op().numpy() == RANK and hvd.local_rank_op().numpy() == hvd.local_rank()
+    assert hvd.local_size_op().numpy() == hvd.local_size()
+    assert hvd.size_op(subset.process_set_id).numpy() == 1
+    assert hvd.process_set_included_op(subset.process_set_id).numpy() == int(RANK == 0)
+    with pytest.raises(ValueError, match="process_set_id=99"):
+        hvd.size_op(99)
+    hvd.remove_process_set(subset)

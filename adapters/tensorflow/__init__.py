@@ -31,7 +31,8 @@ from hvddp import (Adasum, Average, BackendUnavailableError, Compression, HvddpE
                    mpi_threads_supported, nccl_built, rank, remove_process_set, rocm_built, shutdown, size,
                    start_timeline, stop_timeline)
 
-from .functions import DistributedOptimizer, broadcast_global_variables, broadcast_variables
+from .functions import (DistributedOptimizer, broadcast_global_variables, broadcast_variables, local_rank_op,
+                        local_size_op, process_set_included_op, rank_op, size_op)
 from .gradient_tape import DistributedGradientTape
 from .ops import (allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
                   grouped_reducescatter, reducescatter)
@@ -43,7 +44,7 @@ __all__ = [
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression",
     "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "alltoall", "reducescatter",
-    "grouped_reducescatter",
+    "grouped_reducescatter", "size_op", "rank_op", "local_size_op", "local_rank_op", "process_set_included_op",
     "barrier", "join", "broadcast_object", "allgather_object",
     "DistributedGradientTape", "DistributedOptimizer", "broadcast_variables", "broadcast_global_variables",
     "HvddpError", "NotInitializedError", "BackendUnavailableError", "MismatchError", "ShutdownError",

@@ -14,7 +14,8 @@ from hvddp import Compression, ProcessSet, _grouping, global_process_set
 from .gradient_tape import source_label
 from .ops import _check_root, _check_xla
 
-__all__ = ["broadcast_variables", "broadcast_global_variables", "DistributedOptimizer"]
+__all__ = ["broadcast_variables", "broadcast_global_variables", "DistributedOptimizer", "size_op", "rank_op",
+           "local_size_op", "local_rank_op", "process_set_included_op"]
 
 
 def broadcast_variables(variables: Iterable[Any], root_rank: int,
@@ -111,3 +112,39 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, use_locking
                              backward_passes_per_step=backward_passes_per_step,
                              average_aggregated_gradients=average_aggregated_gradients,
                              num_groups=num_groups, groups=groups, process_set=process_set)
+
+
+# Horovod's graph-era ops: the runtime's numbers as int32 tensors ------------------------------
+def _set_view(process_set_id: int):
+    from hvddp.runtime import _state
+
+    view = _state().process_sets.get(process_set_id)
+    if view is None:
+        raise ValueError(f"process_set_id={process_set_id!r} names no registered process set "
+                         f"(ps.process_set_id of one that init() or add_process_set() registered).")
+    return view
+
+
+def size_op(process_set_id: int = 0, name: Optional[str] = None) -> tf.Tensor:
+    """The number of ranks in the process set with this id (0: all of them), as an int32 tensor."""
+    return tf.constant(_set_view(process_set_id).size, dtype=tf.int32, name=name)
+
+
+def process_set_included_op(process_set_id: int = 0, name: Optional[str] = None) -> tf.Tensor:
+    """1 if this rank is in the process set with this id, else 0, as an int32 tensor."""
+    return tf.constant(int(_set_view(process_set_id).rank >= 0), dtype=tf.int32, name=name)
+
+
+def rank_op(name: Optional[str] = None) -> tf.Tensor:
+    """This rank, as an int32 tensor."""
+    return tf.constant(hvddp.rank(), dtype=tf.int32, name=name)
+
+
+def local_size_op(name: Optional[str] = None) -> tf.Tensor:
+    """The number of ranks on this node, as an int32 tensor."""
+    return tf.constant(hvddp.local_size(), dtype=tf.int32, name=name)
+
+
+def local_rank_op(name: Optional[str] = None) -> tf.Tensor:
+    """This rank's index on its node, as an int32 tensor."""
+    return tf.constant(hvddp.local_rank(), dtype=tf.int32, name=name)
