@@ -281,7 +281,8 @@ def report(directory: str, np_: int, returncode: int) -> Tuple[int, List[str]]:
     monitor, when they ended abnormally (exit). The first rank to end abnormally is named as the
     cause, except that a ``ShutdownError`` (a peer left while this rank waited for it) comes after
     any other failure or exit, whatever the clock says: the peer announces its shutdown before its
-    monitor sees it exit. A rank that neither failed nor finished makes the run fail even if the
+    monitor sees it exit. When only such errors are left, the ranks that finished are named as the
+    ones that left. A rank that neither failed nor finished makes the run fail even if the
     launcher returned 0.
     """
     status = _read_status(directory)
@@ -300,6 +301,13 @@ def report(directory: str, np_: int, returncode: int) -> Tuple[int, List[str]]:
     for rank, info in exits.items():
         events.append((False, info.get("time", float("inf")), rank, str(info.get("what", "failed"))))
     events.sort(key=lambda e: e[:3])
+    leavers = sorted(r for r in done if r not in failed and r not in exits)
+    if events and all(e[0] for e in events) and leavers:
+        # only peers' ShutdownErrors: ranks that finished left while the others still waited (a
+        # rank's exit code is not known at its exit: sys.exit(2) reads like the end of the script)
+        lines.append(f"hvddprun: {', '.join(who(r) for r in leavers)} left the job (hvddp shut down "
+                     f"at its exit: the script ended early, or called sys.exit() or shutdown()) while "
+                     f"other ranks still had collectives pending.")
     if events:
         _, _, rank, what = events[0]
         lines.append(f"hvddprun: the first rank to fail: {who(rank)}, which {what}")

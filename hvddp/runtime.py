@@ -60,7 +60,9 @@ class ProcessSet:
         return self
 
     def __reduce__(self):
-        return _restore_process_set, (None if self is global_process_set else list(self.ranks or ()),)
+        if self is global_process_set:
+            return _restore_process_set, ("global",)
+        return _restore_process_set, (None if self.ranks is None else list(self.ranks), self.process_set_id)
 
     def _require(self) -> None:
         _state()
@@ -84,15 +86,17 @@ class ProcessSet:
         return len(self.ranks)
 
 
-def _restore_process_set(ranks: Optional[List[int]]) -> ProcessSet:
-    """Unpickle a set: the global one, the registered set with these ranks, or else a new
-    unregistered ``ProcessSet(ranks)`` (register it with ``add_process_set`` to use it)."""
-    if ranks is None:
+def _restore_process_set(ranks: Union[str, None, List[int]], ps_id: Optional[int] = None) -> ProcessSet:
+    """Unpickle a set: the global one; the registered set with the same id and ranks; else the
+    first registered with these ranks; else a new unregistered ``ProcessSet(ranks)`` (register it
+    with ``add_process_set`` to use it)."""
+    if ranks == "global":
         return global_process_set
-    if _S is not None:
-        for view in _S.process_sets.values():
-            if view.owner is not global_process_set and list(view.ranks) == ranks:
-                return view.owner
+    if _S is not None and ranks is not None:
+        views = [v for v in _S.process_sets.values()
+                 if v.owner is not global_process_set and list(v.ranks) == ranks]
+        for view in sorted(views, key=lambda v: v.owner.process_set_id != ps_id):
+            return view.owner
     return ProcessSet(ranks)
 
 

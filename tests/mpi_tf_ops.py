@@ -312,6 +312,12 @@ def test_ranks_outside_the_process_set_keep_their_own_gradients():
     w = keras.Variable(np.zeros(2, "float32"))
     opt.apply_gradients([(tf.constant([float(RANK), 1.0]), w)])
     np.testing.assert_allclose(w.numpy(), [-float(RANK), -1.0])
+    accumulating = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), backward_passes_per_step=2,
+                                            process_set=members)
+    u = keras.Variable(np.zeros(1, "float32"))
+    for _ in range(2):
+        accumulating.apply_gradients([(tf.constant([1.0]), u)])
+    np.testing.assert_allclose(u.numpy(), [-2.0])  # the passes summed, on members and the others alike
     hvd.remove_process_set(members)
 
 

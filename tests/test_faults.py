@@ -159,6 +159,27 @@ def test_report_puts_a_peer_shutdown_after_the_rank_that_left(tmp_path):
     assert code == 2
     assert lines[0] == "hvddprun: the first rank to fail: rank 1 (pid 101 on a), which exited with code 2", lines
     assert lines[1].startswith("hvddprun: then rank 0 (pid 100 on a) raised ShutdownError"), lines
+    # rank 1's exit went unrecorded (the launcher stopped its monitor first) and it wrote `done`:
+    # it is named as the rank that left
+    (tmp_path / "rank-1.exit").unlink()
+    (tmp_path / "rank-1.done").write_text(json.dumps({"rank": 1}))
+    code, lines = _faults.report(str(tmp_path), 2, 2)
+    assert lines[0].startswith("hvddprun: rank 1 (pid 101 on a) left the job"), lines
+    assert lines[1].startswith("hvddprun: the first rank to fail: rank 0 (pid 100 on a), which raised "
+                               "ShutdownError"), lines
+
+
+def test_stall_shutdown_while_cached_collectives_keep_running():
+    """The fast path had already taken this cycle's cached allreduce when the fatal stall came:
+    it must fail too, not leave its caller waiting on an engine that has stopped."""
+    env = {"HVDDP_STALL_CHECK_TIME_SECONDS": "1", "HVDDP_STALL_SHUTDOWN_TIME_SECONDS": "2"}
+    result, elapsed = _timed(2, [SCRIPT, "skip_cached"], env=env, timeout=60)
+    out = result.stdout
+    assert result.returncode != 0, out
+    for rank in (0, 1):
+        line = next((l for l in out.splitlines() if f"rank {rank}: STALLERROR" in l), None)
+        assert line is not None and "'skipped'" in line, out
+    assert elapsed < 20, f"took {elapsed:.1f} s\n{out}"
 
 
 @pytest.mark.parametrize("warning", ["on", "off"])

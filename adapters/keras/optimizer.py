@@ -50,7 +50,7 @@ class _DistributedOptimizerMixin:
         settings = self._hvddp_settings()
         ps = settings["process_set"]
         if not ps.included():  # a rank outside the set trains on its own gradients, as in Horovod
-            return grads
+            return [_scaled(g, settings["postscale"]) for g in grads]  # (summed passes, see _settings)
         if ps.size() == 1 and settings["compression"] is Compression.none and settings["postscale"] == 1.0:
             return grads
         if len(grads) != len(variables):
@@ -102,6 +102,14 @@ class _DistributedOptimizerMixin:
         if outer is not None:
             _move_reduction_to(outer, self)
         return super().build(var_list)
+
+
+def _scaled(grad: Any, factor: float) -> Any:
+    if grad is None or factor == 1.0:
+        return grad
+    if hasattr(grad, "indices") and hasattr(grad, "values"):  # tf.IndexedSlices
+        return type(grad)(grad.values * factor, grad.indices, grad.dense_shape)
+    return grad * factor
 
 
 def _drop_absent(reduced: List[Any], flags: Any, present: List[bool]) -> List[Any]:

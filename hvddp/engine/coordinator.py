@@ -100,6 +100,13 @@ class Coordinator:
             if self.timeline:
                 self.timeline.negotiate_rank_ready(request.name, rank)
 
+    def forget_process_set(self, ps_id: int) -> None:
+        """Drop the names waiting on a removed set: every rank has failed its own entries for them."""
+        for key in [k for k in self.table if k[0] == ps_id]:
+            del self.table[key]
+            if self.timeline:
+                self.timeline.negotiate_end(key[1])
+
     def wants_round(self) -> bool:
         """True when rank 0 has something to announce (a fatal stall) though no rank sent anything."""
         return self._fatal is not None

@@ -18,7 +18,7 @@ import logging
 import pickle
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -186,8 +186,8 @@ class Engine:
         set_changes = []  # process sets to add or remove once this cycle's collectives ran
         if not flags & FLAG_NO_UNSENT:
             decision = self._slow_round(unsent, now)
-            if decision.fatal:
-                self._stop_with(StallError(decision.fatal))
+            if decision.fatal:  # also fails what the fast path took out of _pending this cycle
+                self._stop_with(StallError(decision.fatal), [entry for _, entry, _ in work if entry is not None])
                 return False
             work.extend(self._apply(decision, set_changes))
         if work:
@@ -370,6 +370,8 @@ class Engine:
                 for e in orphans:
                     self._pending.pop(e.key, None)
                     self._names.discard(e.key)
+            if self.coordinator is not None:  # rank 0 forgets them too: no stall, no late answer
+                self.coordinator.forget_process_set(ps_id)
             for e in orphans:
                 e.fail(MismatchError(f"{e.request.kind.value} {e.request.name!r}: its process set (id "
                                      f"{ps_id}) was removed before every member submitted it."))
@@ -387,13 +389,13 @@ class Engine:
             f"was pending; it will never complete. Call shutdown() only after every rank has "
             f"finished its collectives."))
 
-    def _stop_with(self, error: HvddpError) -> None:
+    def _stop_with(self, error: HvddpError, taken: Sequence[Entry] = ()) -> None:
         if not isinstance(error, ShutdownError):
             # a peer stuck outside hvddp never sees this error: end the job at exit, not hang
             _faults.world_broken(f"{type(error).__name__}: {error}")
         with self._lock:
             self._error = error
-            entries = list(self._pending.values()) + self._queue
+            entries = list(taken) + list(self._pending.values()) + self._queue
             self._pending.clear()
             self._queue = []
             self._names.clear()

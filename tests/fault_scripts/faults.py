@@ -11,6 +11,7 @@ Modes (rank 1 misbehaves at step 3 while rank 0 waits in a collective):
   exit0     rank 1 calls os._exit(0)
   exit3     rank 1 calls os._exit(3)
   skip      rank 1 skips step 3's allreduce (stall)
+  skip_cached  rank 0 submits a name rank 1 never does, while both keep running a cached one
   slow      rank 1 sleeps 3 s before step 3's allreduce
   stuck     rank 1 sleeps 600 s before step 3's allreduce (stuck in its own code)
 --install calls hvddp._faults.install() explicitly (hvddp.init() does it once wired).
@@ -42,16 +43,24 @@ if "--patch-engine" in sys.argv:  # what the core request asks Engine._stop_with
 
     _stop_with = loop.Engine._stop_with
 
-    def _patched(self, error):
+    def _patched(self, error, *args):
         if not isinstance(error, hvddp.ShutdownError):
             hvddp._faults.world_broken(f"{type(error).__name__}: {error}")
-        return _stop_with(self, error)
+        return _stop_with(self, error, *args)
 
     loop.Engine._stop_with = _patched
 rank, size = hvddp.rank(), hvddp.size()
 say(f"rank {rank}: started pid {os.getpid()} installed={hvddp._faults.installed()}")
 start = time.monotonic()
 try:
+    if mode == "skip_cached":  # the stall must end the job although every cycle has cached work
+        x = np.ones(4)
+        for _ in range(3):
+            hvddp.allreduce(x, name="cached")
+        pending = hvddp.allreduce_async(x, name="skipped") if rank == 0 else None
+        for _ in range(500):
+            hvddp.allreduce(x, name="cached")
+            time.sleep(0.02)
     for step in range(8):
         if rank == 1 and step == 3:
             say(f"rank 1: misbehaving ({mode}) at step {step}")
