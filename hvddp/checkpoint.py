@@ -32,7 +32,7 @@ from typing import Any, BinaryIO, Callable, Optional, Union
 import numpy as np
 
 from .exceptions import HvddpError
-from .runtime import ProcessSet, global_process_set
+from .runtime import ProcessSet, global_process_set, rank as _global_rank
 
 __all__ = ["CheckpointError", "atomic_write", "save_bytes", "load_bytes", "save", "load"]
 
@@ -145,7 +145,7 @@ def save_bytes(data: Optional[Data], path: Union[str, os.PathLike], root_rank: i
 
     root_rank = _check_root(root_rank, "save_bytes")
     error = None
-    if process_set.rank() == root_rank:
+    if _global_rank() == root_rank:
         try:
             if data is None:
                 raise TypeError("save_bytes: the root rank must pass the data to write, got None.")
@@ -177,7 +177,7 @@ def load_bytes(path: Union[str, os.PathLike], root_rank: int = 0,
     path = os.fspath(path)
     payload = None
     header: Any = None
-    if process_set.rank() == root_rank:
+    if _global_rank() == root_rank:
         try:
             with open(path, "rb") as f:
                 payload = f.read()
@@ -209,7 +209,7 @@ def save(obj: Any, path: Union[str, os.PathLike], root_rank: int = 0,
     from .runtime import _state
 
     _state()
-    is_root = process_set.rank() == _check_root(root_rank, "save")
+    is_root = _global_rank() == _check_root(root_rank, "save")
     save_bytes((lambda f: pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)) if is_root else None,
                path, root_rank, process_set)
 

@@ -434,13 +434,17 @@ def grouped_allgather(tensors: Sequence[np.ndarray], name: Optional[str] = None,
 
 # broadcast --------------------------------------------------------------------------------
 def _root(fn: str, root_rank, view, process_set) -> int:
-    """``root_rank`` checked against the set (an int in [0, size)), for ``fn``'s errors."""
+    """The set's own index of ``root_rank``, a global rank (``hvddp.rank()``'s numbering, as in
+    Horovod) that must be a member of the set; checked, for ``fn``'s errors."""
     if isinstance(root_rank, bool) or not isinstance(root_rank, numbers.Integral):
         raise TypeError(f"{fn}: root_rank must be an int, got {type(root_rank).__name__} {root_rank!r}.")
     root_rank = int(root_rank)
-    if not 0 <= root_rank < view.size:
-        raise ValueError(f"{fn}: root_rank must be in [0, {view.size}) for {process_set!r}, got {root_rank}.")
-    return root_rank
+    if root_rank not in view.ranks:
+        members = f"one of its members {list(view.ranks)}" if process_set is not global_process_set \
+            else f"in [0, {view.size})"
+        raise ValueError(f"{fn}: root_rank is a global rank (as hvddp.rank() numbers them) and must be "
+                         f"{members} for {process_set!r}, got {root_rank}.")
+    return view.ranks.index(root_rank)
 
 
 def _broadcast(fn: str, tensor, root_rank, name, process_set, inplace: bool) -> Handle:
@@ -460,7 +464,8 @@ def broadcast_async(tensor: np.ndarray, root_rank: int, name: Optional[str] = No
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start copying ``root_rank``'s ``tensor`` to every rank; the result is a new array.
 
-    ``root_rank`` is a rank within ``process_set``. Shape and dtype must match on every rank.
+    ``root_rank`` is a global rank (``hvddp.rank()``), a member of ``process_set``, as in
+    Horovod. Shape and dtype must match on every rank.
     """
     return _broadcast("broadcast", tensor, root_rank, name, process_set, False)
 
@@ -615,9 +620,8 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
     """Return ``root_rank``'s picklable ``obj`` on every rank (two broadcasts: size, bytes)."""
     name = _check_name(name, "broadcast_object")
     _, view = _process_set(process_set, "broadcast_object")
-    root_rank = _root("broadcast_object", root_rank, view, process_set)
+    is_root = view.rank == _root("broadcast_object", root_rank, view, process_set)
     name = name or _auto_name("broadcast_object", process_set)
-    is_root = view.rank == root_rank
     data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if is_root else None
     length = np.array([data.size if is_root else 0], dtype=np.int64)
     length = broadcast(length, root_rank, f"{name}.size", process_set)

@@ -25,8 +25,8 @@ class ProcessSet:
 
     Create one with the world ranks it holds, pass it to ``init(process_sets=...)`` or register
     it later with ``add_process_set`` (on every rank, in the same order), then give it to any
-    collective as ``process_set=``. Ranks passed to ``broadcast``'s ``root_rank`` are ranks within
-    the set.
+    collective as ``process_set=``. A ``root_rank`` (``broadcast`` and the like) is a global rank,
+    as ``hvddp.rank()`` numbers them, that must be a member of the set, as in Horovod.
 
     Example:
         evens = hvddp.add_process_set([0, 2])
@@ -218,7 +218,7 @@ def _check_config_agrees(comm, cfg) -> None:
                              f"{name}=..., or export it before launching).")
 
 
-def init(comm=None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None:
+def init(comm=None, process_sets: Union[None, str, Sequence[ProcessSet]] = None) -> None:
     """Initialize hvddp: MPI, the communicators and the background engine.
 
     Idempotent: a second call while initialized does nothing. Collective: every rank calls it.
@@ -227,7 +227,8 @@ def init(comm=None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None
     Args:
         comm: an mpi4py communicator to run on, or a list of world ranks to use (the others
             get a size-1 world of their own); ``MPI.COMM_WORLD`` by default.
-        process_sets: ``ProcessSet`` objects to register now (same list on every rank).
+        process_sets: ``ProcessSet`` objects to register now (same list on every rank), or
+            Horovod's ``"dynamic"``, which hvddp does not need (``add_process_set`` always works).
 
     Raises:
         LauncherMismatchError: the launcher said N > 1 processes but MPI says size 1.
@@ -404,6 +405,8 @@ def _check_process_sets(comm, process_sets) -> List[ProcessSet]:
     """
     size = comm.Get_size()
     sets, mine, problem = [], None, None
+    if isinstance(process_sets, str) and process_sets.lower() == "dynamic":
+        process_sets = None  # Horovod's switch for add/remove after init; always on here
     try:
         sets = [ps for ps in (process_sets or ()) if ps is not global_process_set]
         for ps in sets:

@@ -35,9 +35,9 @@ if h is not None:
         assert "was removed" in str(exc) and "'orphan'" in str(exc), exc
     else:
         raise AssertionError("a collective on a removed set completed")
-deadline = time.monotonic() + 1.5  # past HVDDP_STALL_CHECK_TIME_SECONDS=1, cached steps only
-while time.monotonic() < deadline:
+for _ in range(30):  # > 1.5 s, past HVDDP_STALL_CHECK_TIME_SECONDS=1, cached steps only
     assert hvddp.allreduce(np.ones(1), name="cached", op=hvddp.Sum).tolist() == [3.0]
+    time.sleep(0.05)
 
 # 3. unnamed calls only a set's members make (or a refused one) leave the global names alone
 s = hvddp.add_process_set([0, 1])
@@ -58,7 +58,20 @@ assert hvddp.broadcast_object({"b": rank}, 0) == {"b": 0}
 assert hvddp.allgather_object(rank) == [0, 1, 2]
 assert hvddp.allreduce(np.ones(2), op=hvddp.Sum).tolist() == [3.0, 3.0]
 
-# 4. copies and pickles: one registered set per process
+# 4. root_rank is a global rank, as in Horovod: the set [1, 2] broadcasts from global rank 2
+tail = hvddp.add_process_set([1, 2])
+if tail.included():
+    assert hvddp.broadcast(np.full(2, float(rank)), 2, name="tail.bc", process_set=tail).tolist() == [2.0, 2.0]
+    assert hvddp.broadcast_object(rank, 2, process_set=tail) == 2
+    try:
+        hvddp.broadcast(np.ones(1), 0, process_set=tail)  # rank 0 is not a member
+    except ValueError as exc:
+        assert "global rank" in str(exc) and "[1, 2]" in str(exc), exc
+    else:
+        raise AssertionError("a root outside the set was accepted")
+hvddp.remove_process_set(tail)
+
+# 5. copies and pickles: one registered set per process
 assert copy.deepcopy(s) is s and copy.copy(s) is s
 assert pickle.loads(pickle.dumps(s)) is s
 assert pickle.loads(pickle.dumps(hvddp.global_process_set)) is hvddp.global_process_set
@@ -67,7 +80,7 @@ unregistered = pickle.loads(pickle.dumps(s))
 assert unregistered is not s and unregistered.ranks == [0, 1] and unregistered.process_set_id is None
 hvddp.shutdown()
 
-# 5. init(process_sets=...) that differs across ranks: ValueError on every rank, not a hang
+# 6. init(process_sets=...) that differs across ranks: ValueError on every rank, not a hang
 mine = [hvddp.ProcessSet([0, 1] if rank == 0 else [0, 2])]
 try:
     hvddp.init(process_sets=mine)
@@ -78,4 +91,7 @@ else:
 assert not hvddp.is_initialized()
 hvddp.init(process_sets=[hvddp.ProcessSet([1, 2])])
 assert hvddp.allreduce(np.ones(1), name="clean", op=hvddp.Sum).tolist() == [3.0]
+hvddp.shutdown()
+hvddp.init(process_sets="dynamic")  # Horovod's switch for sets added later: accepted, not needed
+assert hvddp.add_process_set([0, 2]).size() == 2
 print("sets ok", flush=True)

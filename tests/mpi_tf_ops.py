@@ -218,7 +218,7 @@ def test_reducescatter_and_alltoall_gradients(mode):
             summed = tf.reduce_sum(hvd.reducescatter(x, op=hvd.Sum, name=f"rsg.{mode}.sum") * weight)
             averaged = tf.reduce_sum(hvd.reducescatter(x, name=f"rsg.{mode}.avg", prescale_factor=2.0)
                                      * weight)
-            exchanged = tf.reduce_sum(hvd.alltoall(x, name=f"a2ag.{mode}")[0] * weight)
+            exchanged = tf.reduce_sum(hvd.alltoall(x, name=f"a2ag.{mode}") * weight)  # no splits: a tensor
         return [tape.gradient(t, x) for t in (summed, averaged, exchanged)]
 
     d_sum, d_avg, d_a2a = [g.numpy() for g in grads(x)]
@@ -353,6 +353,19 @@ def test_grouped_allgather_and_reducescatter_with_gradients(mode):
     # d/db of sum(ra * w) + sum(rb * w): rows of rank r carry w_r (1 + 2) / size
     owner = np.repeat(np.arange(1, SIZE + 1, dtype=np.float64), 2)[:, None]
     np.testing.assert_allclose(ds.numpy(), owner * 3.0 / SIZE * np.ones((1, 3)))
+
+
+def test_broadcast_root_is_a_global_rank():
+    """As in Horovod: on a process set, root_rank counts in hvd.rank()'s numbering."""
+    last = hvd.add_process_set([SIZE - 1])
+    if last.included():
+        x = tf.constant([float(RANK)])
+        np.testing.assert_array_equal(hvd.broadcast(x, SIZE - 1, name="t.bc.last", process_set=last).numpy(),
+                                      [SIZE - 1.0])
+        if SIZE > 1:
+            with pytest.raises(ValueError, match="global rank"):
+                hvd.broadcast(x, 0, process_set=last)
+    hvd.remove_process_set(last)
 
 
 def test_runtime_numbers_as_ops():

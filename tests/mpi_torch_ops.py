@@ -220,6 +220,16 @@ def test_process_set():
         if ps.included():
             out = hvd.allreduce(torch.tensor([float(R)]), op=hvd.Sum, process_set=ps, name="ps")
             assert_equal(out, torch.tensor([2.0]))
+            # root_rank is a global rank, as in Horovod: 2 is the set's second member
+            assert_equal(hvd.broadcast(torch.tensor([float(R)]), 2, name="ps.bc", process_set=ps),
+                         torch.tensor([2.0]))
+            model = torch.nn.Linear(2, 2)
+            torch.nn.init.constant_(model.weight, float(R))
+            hvd.broadcast_parameters(model.state_dict(), root_rank=2, process_set=ps)
+            assert_equal(model.weight.detach(), torch.full((2, 2), 2.0))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1 * (R + 1))
+            hvd.broadcast_optimizer_state(opt, root_rank=2, process_set=ps)
+            assert opt.param_groups[0]["lr"] == 0.1 * 3
     finally:
         hvd.remove_process_set(ps)
 

@@ -148,7 +148,7 @@ def save_checkpoint(path: Union[str, os.PathLike], model: keras.Model, optimizer
                 "backend": _backend_rng()}
         per_rank = hvddp.allgather_object(mine, name="__hvddp.keras.checkpoint.rng", process_set=process_set)
     state = None
-    if process_set.rank() == root_rank:
+    if hvddp.rank() == root_rank:
         state = {"format": FORMAT, "size": process_set.size(), "epoch": epoch, "step": step,
                  "variables": _values(shared),
                  "optimizer": _values(optimizer.variables) if optimizer is not None else None,

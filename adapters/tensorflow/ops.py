@@ -294,7 +294,7 @@ def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None,
 
         def grad(dy):
             total = allreduce(dy, op=hvddp.Sum, name=name + ".grad", process_set=process_set)
-            return total if _set_rank(process_set) == root_rank else tf.zeros_like(total)
+            return total if hvddp.rank() == root_rank else tf.zeros_like(total)
         return out, grad
 
     return _op(tensor)
@@ -303,18 +303,20 @@ def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None,
 def _check_root(root_rank: Any, process_set: ProcessSet, fn: str) -> None:
     if isinstance(root_rank, bool) or not isinstance(root_rank, numbers.Integral):
         raise TypeError(f"{fn}: root_rank must be an int; Received: root_rank={root_rank!r}.")
-    if not 0 <= root_rank < _size(process_set):
-        raise ValueError(f"{fn}: root_rank must be in [0, {_size(process_set)}); "
-                         f"Received: root_rank={root_rank}.")
+    members = list(range(hvddp.size())) if process_set is global_process_set else process_set.ranks
+    if root_rank not in members:  # a global rank, as in Horovod
+        raise ValueError(f"{fn}: root_rank is a global rank (as hvd.rank() numbers them) and must be one "
+                         f"of {process_set!r}'s members {members}; Received: root_rank={root_rank}.")
 
 
 # alltoall, reducescatter ---------------------------------------------------------------------
 def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
-             process_set: ProcessSet = global_process_set) -> Tuple[tf.Tensor, tf.Tensor]:
+             process_set: ProcessSet = global_process_set) -> Any:
     """Send ``splits[i]`` rows of ``tensor`` to rank ``i``; gather the rows sent to this rank.
 
     Without ``splits`` the first dimension is split evenly (it must divide by the number of
-    ranks). Returns ``(received, received_splits)`` (int32) as in Horovod 0.28. The gradient sends the
+    ranks) and the received tensor is returned; with ``splits``, ``(received, received_splits)``
+    (int32), as in Horovod 0.28. The gradient sends the
     received rows' gradients back where they came from (the reverse alltoall).
     """
     tensor = _dense(tensor, "alltoall")
@@ -349,7 +351,8 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
             return g
         return (out, received), grad
 
-    return _op(tensor)
+    out, received = _op(tensor)
+    return out if splits is None else (out, received)
 
 
 def reducescatter(tensor: Any, name: Optional[str] = None, op: Any = None,

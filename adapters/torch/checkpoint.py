@@ -115,7 +115,7 @@ def save_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Modu
     rngs = hvddp.allgather_object(rng_state(), name="__hvddp.torch.checkpoint.rng",
                                   process_set=process_set) if rng else None
     data = None
-    if process_set.rank() == root_rank:
+    if hvddp.rank() == root_rank:
         state = {
             "format": FORMAT, "size": process_set.size(), "epoch": epoch, "step": step,
             "model": model.state_dict() if model is not None else None,

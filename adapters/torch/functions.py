@@ -86,7 +86,7 @@ def broadcast_parameters(params: Union[Dict[str, torch.Tensor], Iterable], root_
         raise errors[0]
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None,
                               process_set: ProcessSet = global_process_set) -> None:
     """Make every rank's optimizer state and hyper-parameters equal to ``root_rank``'s.
 
@@ -94,7 +94,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     per-parameter state (momentum buffers, Adam moments, step counts), also when the root's state
     is still empty, or the others' is (a root that loaded a checkpoint). The root describes its
     state once (``broadcast_object``); the tensors then move with in-place broadcasts. Works on
-    a plain optimizer and on a ``DistributedOptimizer`` and does not step it.
+    a plain optimizer and on a ``DistributedOptimizer`` and does not step it. ``model`` is
+    accepted at its Horovod position and not needed: the state is taken as it is, sparse or not.
 
     Raises:
         ValueError: the optimizers do not have the same parameter groups on every rank.
@@ -102,7 +103,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"broadcast_optimizer_state: expected a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}.")
-    is_root = process_set.rank() == root_rank
+    is_root = hvddp.rank() == root_rank  # a global rank, as in Horovod
     local = optimizer.state_dict()
     skeleton = None
     if is_root:

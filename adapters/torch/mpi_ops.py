@@ -391,7 +391,7 @@ class _Broadcast(torch.autograd.Function):
         root_rank, name, process_set = ctx.args
         grad = allreduce_async(grad_output.contiguous(), None, _grad_name(name), Average,
                                process_set=process_set).wait()
-        if process_set.rank() != root_rank:
+        if hvddp.rank() != root_rank:
             grad = torch.zeros_like(grad)
         return grad, None, None, None
 
