@@ -63,7 +63,7 @@ def main() -> None:
 
     _, accuracy = model.evaluate(x_test, y_test, verbose=0)
     weights = np.concatenate([w.ravel() for w in model.get_weights()])
-    every = hvd.allgather(weights[None, :], name="replicas")
+    every = np.asarray(hvd.allgather(weights[None, :], name="replicas"))
     if hvd.rank() == 0:
         print(f"backend: {keras.backend.backend()}  ranks: {hvd.size()}  test accuracy: {accuracy:.4f}  "
               f"replicas identical: {bool((every == every[0]).all())}  checkpoint: {args.checkpoint}")

@@ -323,7 +323,13 @@ def test_scalar_weights_and_tensors_keep_their_shape():
 def test_helpers_on_numpy_and_tensors():
     value = np.arange(4, dtype="float32") + 100 * RANK
     mean = np.arange(4) + 100 * (SIZE - 1) / 2
-    np.testing.assert_allclose(hvd.allreduce(value, name="test.h.np"), mean)
+    from_numpy = hvd.allreduce(value, name="test.h.np")
+    np.testing.assert_allclose(from_numpy, mean)
+    if BACKEND == "tensorflow":  # tf.constant(value), as Horovod makes it: .numpy() works
+        np.testing.assert_allclose(from_numpy.numpy(), mean)
+        assert hvd.allreduce(1.5, name="test.h.float").dtype.name == "float32"
+    else:
+        assert isinstance(from_numpy, np.ndarray)
     tensor = ops.convert_to_tensor(value)
     out = hvd.allreduce(tensor, name="test.h.tensor", op=hvd.Sum)
     assert type(out) is type(tensor)

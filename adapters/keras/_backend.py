@@ -26,11 +26,17 @@ def name() -> str:
 
 def unwrap(value: Any) -> Any:
     """Return a Keras variable's current value, or a list or tuple of numbers as a tensor of the
-    active backend (as Horovod's Keras package makes one of it); anything else unchanged."""
+    active backend (as Horovod's Keras package makes one of it), or, on the TensorFlow backend,
+    a numpy value or number as ``tf.constant(value)`` (Horovod's, so a tensor comes back as
+    there); anything else unchanged."""
     import keras
 
     if isinstance(value, (list, tuple)):
         return keras.ops.convert_to_tensor(value)
+    if is_numpy(value) and name() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.constant(value)
     return value.value if isinstance(value, keras.Variable) else value
 
 

@@ -21,9 +21,10 @@ def allreduce(value: Any, name: Optional[str] = None, average: Optional[bool] = 
               compression: Any = Compression.none, process_set: ProcessSet = global_process_set) -> Any:
     """Reduce ``value`` across ranks (Average by default) and return the result.
 
-    ``value`` is a numpy array or number (the result is a numpy array) or a tensor of the
-    active Keras backend, or a list of numbers, made one (the result is one too; usable inside
-    ``tf.function`` and ``jax.jit``).
+    ``value`` is a tensor of the active Keras backend, or a list of numbers, made one (the result
+    is one too; usable inside ``tf.function`` and ``jax.jit``), or a numpy array or number: on
+    the TensorFlow backend made ``tf.constant(value)`` as in Horovod (a ``tf.Tensor`` comes
+    back), on the others the result is a numpy array.
     Every rank makes the same call with the same name, shape and dtype. Blocks.
     """
     op = _grouping.check_op(op, average, "allreduce")
