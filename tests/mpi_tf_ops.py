@@ -378,3 +378,41 @@ def test_runtime_numbers_as_ops():
     with pytest.raises(ValueError, match="process_set_id=99"):
         hvd.size_op(99)
     hvd.remove_process_set(subset)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_sync_batch_normalization_is_batch_norm_on_the_whole_batch(mode):
+    """Uneven shards: outputs, input gradients (of the sum of every rank's loss) and moving
+    statistics equal keras BatchNormalization on all rows in one process."""
+    import keras
+
+    rows = [r + 2 for r in range(SIZE)]
+    rng = np.random.default_rng(7)
+    full = (rng.normal(size=(sum(rows), 4)) * 3 + 1).astype("float32")
+    weights = rng.normal(size=full.shape).astype("float32")
+    start = sum(rows[:RANK])
+    mine, my_weights = full[start:start + rows[RANK]], weights[start:start + rows[RANK]]
+    sync = hvd.SyncBatchNormalization(momentum=0.5)
+    ref = keras.layers.BatchNormalization(momentum=0.5)
+    for layer in (sync, ref):
+        layer.build((None, 4))  # variables outside the tf.function
+    wrap = (lambda f: f) if mode == "eager" else tf.function
+
+    @wrap
+    def forward(layer, x, w):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            out = layer(x, training=True)
+            loss = tf.reduce_sum(out * w)
+        return out, tape.gradient(loss, x)
+
+    for _ in range(2):
+        out, grad = forward(sync, tf.constant(mine), tf.constant(my_weights))
+        want, want_grad = forward(ref, tf.constant(full), tf.constant(weights))
+        np.testing.assert_allclose(out.numpy(), want.numpy()[start:start + rows[RANK]], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(grad.numpy(), want_grad.numpy()[start:start + rows[RANK]], rtol=1e-3,
+                                   atol=1e-4)
+    np.testing.assert_allclose(sync.moving_mean.numpy(), ref.moving_mean.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(sync.moving_variance.numpy(), ref.moving_variance.numpy(), rtol=1e-4)
+    with pytest.raises(ValueError, match="fused"):
+        hvd.SyncBatchNormalization(fused=True)
