@@ -339,6 +339,11 @@ def test_helpers_on_numpy_and_tensors():
     listed = hvd.allreduce([1.0 + RANK, 2.0], name="test.h.list")  # a backend tensor, as in Horovod
     assert type(listed) is type(tensor)
     np.testing.assert_allclose(ops.convert_to_numpy(listed), [1.0 + (SIZE - 1) / 2, 2.0])
+    block = ops.convert_to_tensor(np.arange(6 * SIZE, dtype="float32").reshape(2 * SIZE, 3) + RANK)
+    scattered = hvd.reducescatter(block, name="test.h.rs", op=hvd.Sum)  # rows 2R and 2R+1 of the sum
+    assert type(scattered) is type(tensor)
+    np.testing.assert_allclose(ops.convert_to_numpy(scattered), np.arange(6 * SIZE).reshape(2 * SIZE, 3)[
+        2 * RANK:2 * RANK + 2] * SIZE + SIZE * (SIZE - 1) / 2)
     gathered = hvd.allgather(ops.reshape(tensor, (1, 4)), name="test.h.gather")
     np.testing.assert_allclose(ops.convert_to_numpy(gathered)[:, 0], 100 * np.arange(SIZE))
     np.testing.assert_allclose(ops.convert_to_numpy(hvd.broadcast(tensor, 0, name="test.h.bcast")),

@@ -60,9 +60,9 @@ HOROVOD_NAMES = {
                    "grouped_allreduce_async_ sparse_allreduce_async broadcast_async_ grouped_reducescatter_async "
                    "broadcast_parameters broadcast_optimizer_state gloo_built rocm_built start_timeline",
     "hvddp.keras": "DistributedOptimizer callbacks load_model broadcast_global_variables allreduce allgather "
-                   "broadcast gloo_built gloo_enabled ccl_built ddl_built rocm_built start_timeline "
+                   "reducescatter broadcast gloo_built gloo_enabled ccl_built ddl_built rocm_built start_timeline "
                    "stop_timeline",
-    "hvddp.tensorflow": "DistributedGradientTape broadcast_variables allreduce grouped_allreduce allgather "
+    "hvddp.tensorflow": "DistributedGradientTape SyncBatchNormalization broadcast_variables allreduce grouped_allreduce allgather "
                         "broadcast alltoall reducescatter gloo_built ccl_built rocm_built start_timeline "
                         "stop_timeline grouped_allgather grouped_reducescatter DistributedOptimizer "
                         "broadcast_global_variables",

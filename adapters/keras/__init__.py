@@ -39,7 +39,8 @@ from ._jit import install_auto_jit_guard as _install_auto_jit_guard
 from .callbacks import (BroadcastGlobalVariablesCallback, LearningRateScheduleCallback,
                         LearningRateWarmupCallback, MetricAverageCallback)
 from .checkpoint import CheckpointCallback, load_checkpoint, save_checkpoint
-from .functions import allgather, allreduce, broadcast, broadcast_global_variables, broadcast_variables
+from .functions import (allgather, allreduce, broadcast, broadcast_global_variables, broadcast_variables,
+                        reducescatter)
 from .optimizer import DistributedOptimizer, is_distributed, load_model
 
 _install_auto_jit_guard()
@@ -52,7 +53,7 @@ __all__ = [
     "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression",
     "DistributedOptimizer", "is_distributed", "load_model", "callbacks", "BroadcastGlobalVariablesCallback",
     "MetricAverageCallback", "LearningRateScheduleCallback", "LearningRateWarmupCallback",
-    "allreduce", "allgather", "broadcast", "broadcast_variables", "broadcast_global_variables", "barrier",
+    "allreduce", "allgather", "reducescatter", "broadcast", "broadcast_variables", "broadcast_global_variables", "barrier",
     "join", "broadcast_object", "allgather_object",
     "HvddpError", "NotInitializedError", "BackendUnavailableError", "MismatchError", "ShutdownError",
     "StallError", "LauncherMismatchError", "start_timeline", "stop_timeline", "checkpoint", "CheckpointCallback", "save_checkpoint",

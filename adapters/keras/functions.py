@@ -13,7 +13,7 @@ from hvddp import _grouping
 
 from . import _backend
 
-__all__ = ["allreduce", "allgather", "broadcast", "broadcast_variables"]
+__all__ = ["allreduce", "allgather", "reducescatter", "broadcast", "broadcast_variables"]
 
 
 def allreduce(value: Any, name: Optional[str] = None, average: Optional[bool] = None,
@@ -69,6 +69,40 @@ def allgather(value: Any, name: Optional[str] = None, process_set: ProcessSet = 
 
     shape = tuple(value.shape)
     out_shape = (shape[0] * process_set.size(),) + shape[1:]
+    if backend == "jax":
+        import jax
+
+        if not isinstance(value, jax.core.Tracer):
+            return jax.numpy.asarray(fn(np.asarray(value))[0])
+    return _backend.call(fn, [value], [out_shape])[0]
+
+
+def reducescatter(value: Any, name: Optional[str] = None, op: Any = None,
+                  process_set: ProcessSet = global_process_set) -> Any:
+    """Reduce ``value`` across ranks (Average by default) and return this rank's rows of the
+    result (the first ``rows % size`` ranks get one more), as Horovod's Keras ``reducescatter``.
+
+    Numpy in, numpy out (a ``tf.Tensor`` on the TensorFlow backend, as for ``allreduce``); a
+    backend tensor in, a backend tensor out.
+    """
+    op = _grouping.check_op(op, None, "reducescatter")
+    value = _backend.unwrap(value)
+    if _backend.is_numpy(value):
+        return hvddp.reducescatter(np.asarray(value), name=name, op=op, process_set=process_set)
+    backend = _backend.name()
+    if backend == "tensorflow":
+        from hvddp.tensorflow import reducescatter as tf_reducescatter
+
+        return tf_reducescatter(value, name=name, op=op, process_set=process_set)
+
+    def fn(x):
+        return [np.asarray(hvddp.reducescatter(x, name=name, op=op, process_set=process_set), dtype=x.dtype)]
+
+    shape = tuple(value.shape)
+    if not shape:
+        raise ValueError("reducescatter: value is 0-d; pass at least a 1-d tensor.")
+    size, rank = process_set.size(), process_set.rank()
+    out_shape = (shape[0] // size + (1 if rank < shape[0] % size else 0),) + shape[1:]
     if backend == "jax":
         import jax
 
