@@ -530,8 +530,12 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
     return ops._process_set_op("add", ps, state)
 
 
-def remove_process_set(process_set: ProcessSet) -> None:
-    """Unregister a process set and free its communicator. Every rank calls it."""
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister a process set and free its communicator. Every rank calls it.
+
+    Returns:
+        True (as Horovod's); the global set or an unregistered one raise ``ValueError`` instead.
+    """
     from . import ops
 
     state = _state()
@@ -540,3 +544,4 @@ def remove_process_set(process_set: ProcessSet) -> None:
     if not isinstance(process_set, ProcessSet) or process_set.process_set_id is None:
         raise ValueError(f"remove_process_set: {process_set!r} is not a registered process set.")
     ops._process_set_op("remove", process_set, state)
+    return True

@@ -84,14 +84,17 @@ def shard_loss(model, x, y, s):
                       shard(y, s))
 
 
-def train_pair(kind, extra=False, bpps=1, **kwargs):
+def train_pair(kind, extra=False, bpps=1, set_later=False, **kwargs):
     torch.manual_seed(0)
     ref = Net(extra)
     model = copy.deepcopy(ref)
     ref_opt = OPTIMIZERS[kind](ref.parameters())
     opt = hvd.DistributedOptimizer(OPTIMIZERS[kind](model.parameters()),
                                    named_parameters=model.named_parameters(),
-                                   backward_passes_per_step=bpps, **kwargs)
+                                   backward_passes_per_step=1 if set_later else bpps, **kwargs)
+    if set_later:  # Horovod's setter
+        opt.set_backward_passes_per_step(bpps)
+        assert opt.backward_passes_per_step == bpps
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     for step in range(STEPS):
         ref_opt.zero_grad()
@@ -115,10 +118,10 @@ def test_parity_with_one_process(kind):
     assert_replicas_identical(model, f"parity.{kind}")
 
 
-@pytest.mark.parametrize("kind", ["sgd", "adam"])
+@pytest.mark.parametrize("kind", ["sgd", "adam", "sgd-set-later"])
 def test_parity_backward_passes_per_step_2(kind):
     # two local backward passes are summed (as in Horovod), then reduced once
-    model, ref = train_pair(kind, bpps=2)
+    model, ref = train_pair(kind.split("-")[0], bpps=2, set_later=kind.endswith("set-later"))
     assert_parity(model, ref)
     assert_replicas_identical(model, f"bpps.{kind}")
 

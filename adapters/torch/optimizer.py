@@ -114,6 +114,13 @@ class _Flight:
                 p.grad.copy_(value)
 
 
+def _check_passes(passes: Any) -> None:
+    if isinstance(passes, bool) or not isinstance(passes, numbers.Integral):
+        raise TypeError(f"`backward_passes_per_step` must be an int >= 1, got {type(passes).__name__} {passes!r}.")
+    if passes < 1:
+        raise ValueError(f"`backward_passes_per_step` must be >= 1, got {passes}.")
+
+
 def _weak_hook(optimizer) -> Callable[[torch.Tensor], None]:
     ref = weakref.ref(optimizer)
 
@@ -144,12 +151,7 @@ class _DistributedOptimizer:
     # set-up ------------------------------------------------------------------------------
     def _hvddp_setup(self, named_parameters, compression, backward_passes_per_step, op,
                      gradient_predivide_factor, groups, sparse_as_dense, process_set) -> None:
-        if (isinstance(backward_passes_per_step, bool)
-                or not isinstance(backward_passes_per_step, numbers.Integral)):
-            raise TypeError(f"`backward_passes_per_step` must be an int >= 1, got "
-                            f"{type(backward_passes_per_step).__name__} {backward_passes_per_step!r}.")
-        if backward_passes_per_step < 1:
-            raise ValueError(f"`backward_passes_per_step` must be >= 1, got {backward_passes_per_step}.")
+        _check_passes(backward_passes_per_step)
         op = _check_op(op, None, "DistributedOptimizer")  # the core's check: unknown ops, Adasum
         if op not in (Average, Sum):
             raise ValueError(f"DistributedOptimizer: op must be hvddp.Average or hvddp.Sum, got {op!r}.")
@@ -381,6 +383,23 @@ class _DistributedOptimizer:
         return self._hvddp_sparse_flight(p, sent if sparse else None)
 
     # public API ---------------------------------------------------------------------------
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Accumulate ``passes`` backward passes locally before each reduction from now on (as
+        Horovod's; the count restarts for every parameter). Every rank must make the same call."""
+        _check_passes(passes)
+        self._hvddp_bpps = int(passes)
+        for p in self._hvddp_delay:
+            self._hvddp_delay[p] = self._hvddp_bpps
+
+    @property
+    def backward_passes_per_step(self) -> int:
+        """The backward passes accumulated before each reduction (settable, as in Horovod)."""
+        return self._hvddp_bpps
+
+    @backward_passes_per_step.setter
+    def backward_passes_per_step(self, passes: int) -> None:
+        self.set_backward_passes_per_step(passes)
+
     def synchronize(self) -> None:
         """Finish reducing every gradient; afterwards ``p.grad`` holds the average on every rank.
 
