@@ -123,13 +123,21 @@ def _writer_alive(suffix: str) -> bool:
     return True
 
 
-def _check_root(root_rank: Any, fn: str) -> int:
+def root_of(root_rank: Any, fn: str, process_set: ProcessSet) -> int:
+    """The rank that reads or writes for ``fn``: ``root_rank`` (a global rank, a member of
+    ``process_set``), or by default (None) the set's first member: rank 0 for the global set."""
+    members = process_set.ranks if process_set.ranks is not None else [0]
+    if root_rank is None:
+        return members[0]
     if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
         raise TypeError(f"{fn}: root_rank must be an int, got {type(root_rank).__name__} {root_rank!r}.")
+    if int(root_rank) not in members:
+        raise ValueError(f"{fn}: root_rank is a global rank and must be one of {process_set!r}'s members "
+                         f"{members}, got {root_rank}; leave it out for the set's first member.")
     return int(root_rank)
 
 
-def save_bytes(data: Optional[Data], path: Union[str, os.PathLike], root_rank: int = 0,
+def save_bytes(data: Optional[Data], path: Union[str, os.PathLike], root_rank: Optional[int] = None,
                process_set: ProcessSet = global_process_set) -> None:
     """Write ``data`` to ``path`` from ``root_rank`` only, atomically; every rank calls it.
 
@@ -143,7 +151,7 @@ def save_bytes(data: Optional[Data], path: Union[str, os.PathLike], root_rank: i
     """
     from .ops import broadcast_object
 
-    root_rank = _check_root(root_rank, "save_bytes")
+    root_rank = root_of(root_rank, "save_bytes", process_set)
     error = None
     if _global_rank() == root_rank:
         try:
@@ -158,7 +166,7 @@ def save_bytes(data: Optional[Data], path: Union[str, os.PathLike], root_rank: i
                               f"({error}); the previous checkpoint, if any, is intact.")
 
 
-def load_bytes(path: Union[str, os.PathLike], root_rank: int = 0,
+def load_bytes(path: Union[str, os.PathLike], root_rank: Optional[int] = None,
                process_set: ProcessSet = global_process_set) -> Optional[bytes]:
     """Read ``path`` on ``root_rank`` and return its bytes on every rank; every rank calls it.
 
@@ -173,7 +181,7 @@ def load_bytes(path: Union[str, os.PathLike], root_rank: int = 0,
     """
     from .ops import broadcast, broadcast_object
 
-    root_rank = _check_root(root_rank, "load_bytes")
+    root_rank = root_of(root_rank, "load_bytes", process_set)
     path = os.fspath(path)
     payload = None
     header: Any = None
@@ -199,7 +207,7 @@ def load_bytes(path: Union[str, os.PathLike], root_rank: int = 0,
     return payload if payload is not None else buf.tobytes()
 
 
-def save(obj: Any, path: Union[str, os.PathLike], root_rank: int = 0,
+def save(obj: Any, path: Union[str, os.PathLike], root_rank: Optional[int] = None,
          process_set: ProcessSet = global_process_set) -> None:
     """Pickle ``obj`` (the root rank's) to ``path`` atomically; collective like ``save_bytes``.
 
@@ -209,12 +217,13 @@ def save(obj: Any, path: Union[str, os.PathLike], root_rank: int = 0,
     from .runtime import _state
 
     _state()
-    is_root = _global_rank() == _check_root(root_rank, "save")
+    root_rank = root_of(root_rank, "save", process_set)
+    is_root = _global_rank() == root_rank
     save_bytes((lambda f: pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)) if is_root else None,
                path, root_rank, process_set)
 
 
-def load(path: Union[str, os.PathLike], default: Any = None, root_rank: int = 0,
+def load(path: Union[str, os.PathLike], default: Any = None, root_rank: Optional[int] = None,
          process_set: ProcessSet = global_process_set) -> Any:
     """Return the object pickled at ``path`` (read by the root) on every rank; collective.
 

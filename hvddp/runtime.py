@@ -5,7 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-from typing import Iterable, List, Optional, Sequence, Union
+from typing import Any, Iterable, List, Optional, Sequence, Union
 
 from . import _logging, config as _config
 from .exceptions import BackendUnavailableError, LauncherMismatchError, NotInitializedError
@@ -86,11 +86,14 @@ class ProcessSet:
         return len(self.ranks)
 
 
-def _restore_process_set(ranks: Union[str, None, List[int]], ps_id: Optional[int] = None) -> ProcessSet:
+_GLOBAL = object()
+
+
+def _restore_process_set(ranks: Union[str, None, List[int]], ps_id: Any = _GLOBAL) -> ProcessSet:
     """Unpickle a set: the global one; the registered set with the same id and ranks; else the
     first registered with these ranks; else a new unregistered ``ProcessSet(ranks)`` (register it
-    with ``add_process_set`` to use it)."""
-    if ranks == "global":
+    with ``add_process_set`` to use it). ``(None,)`` is how the first pickles named the global set."""
+    if ranks == "global" or (ranks is None and ps_id is _GLOBAL):
         return global_process_set
     if _S is not None and ranks is not None:
         views = [v for v in _S.process_sets.values()

@@ -2,7 +2,9 @@
 on it is in flight or left pending, unnamed calls that only a set's members make, lists given to
 init(process_sets=...) that differ across ranks, and copies/pickles of a set. Prints `sets ok`."""
 import copy
+import os
 import pickle
+import sys
 import time
 
 import numpy as np
@@ -11,6 +13,7 @@ import hvddp
 
 hvddp.init()
 rank = hvddp.rank()
+out_dir = sys.argv[1]
 assert hvddp.size() == 3
 
 # 1. removed in the same round as a collective on it: the collective still completes
@@ -69,12 +72,27 @@ if tail.included():
         assert "global rank" in str(exc) and "[1, 2]" in str(exc), exc
     else:
         raise AssertionError("a root outside the set was accepted")
+    try:  # ranks that disagree on the root: the message shows the global ranks they passed
+        hvddp.broadcast(np.ones(1), rank, name="tail.disagree", process_set=tail)
+    except hvddp.MismatchError as exc:
+        assert "rank 1 1, rank 2 2" in str(exc), exc
+    else:
+        raise AssertionError("ranks that disagree on the root were not told")
+    # checkpoints default to the set's first member (rank 0 is not in this set)
+    from hvddp import checkpoint
+
+    path = os.path.join(out_dir, "tail.pkl")
+    checkpoint.save({"from": rank}, path, process_set=tail)
+    assert checkpoint.load(path, process_set=tail) == {"from": 1}
 hvddp.remove_process_set(tail)
 
 # 5. copies and pickles: one registered set per process
 assert copy.deepcopy(s) is s and copy.copy(s) is s
 assert pickle.loads(pickle.dumps(s)) is s
 assert pickle.loads(pickle.dumps(hvddp.global_process_set)) is hvddp.global_process_set
+from hvddp.runtime import _restore_process_set
+
+assert _restore_process_set(None) is hvddp.global_process_set  # how the first pickles named it
 hvddp.remove_process_set(s)
 unregistered = pickle.loads(pickle.dumps(s))
 assert unregistered is not s and unregistered.ranks == [0, 1] and unregistered.process_set_id is None

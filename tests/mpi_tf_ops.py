@@ -416,3 +416,22 @@ def test_sync_batch_normalization_is_batch_norm_on_the_whole_batch(mode):
     np.testing.assert_allclose(sync.moving_variance.numpy(), ref.moving_variance.numpy(), rtol=1e-4)
     with pytest.raises(ValueError, match="fused"):
         hvd.SyncBatchNormalization(fused=True)
+
+
+def test_sync_batch_normalization_large_mean_and_config_round_trip():
+    """A channel with a large mean and a small spread keeps its variance (two passes), and a
+    layer rebuilt from its config syncs over the same process set."""
+    import keras
+
+    rng = np.random.default_rng(3)
+    full = (300 + 0.05 * rng.normal(size=(3 * SIZE, 2))).astype("float32")
+    mine = full[3 * RANK:3 * RANK + 3]
+    sync, ref = hvd.SyncBatchNormalization(), keras.layers.BatchNormalization()
+    out, want = sync(mine, training=True), ref(full, training=True)
+    np.testing.assert_allclose(out.numpy(), want.numpy()[3 * RANK:3 * RANK + 3], rtol=1e-3, atol=2e-3)
+    last = hvd.add_process_set([SIZE - 1])
+    layer = hvd.SyncBatchNormalization(process_set=last)
+    clone = hvd.SyncBatchNormalization.from_config(layer.get_config())
+    assert clone._hvddp_process_set is last
+    assert hvd.SyncBatchNormalization.from_config(sync.get_config())._hvddp_process_set is hvd.global_process_set
+    hvd.remove_process_set(last)

@@ -230,6 +230,9 @@ def test_process_set():
             opt = torch.optim.SGD(model.parameters(), lr=0.1 * (R + 1))
             hvd.broadcast_optimizer_state(opt, root_rank=2, process_set=ps)
             assert opt.param_groups[0]["lr"] == 0.1 * 3
+            opt.param_groups[0]["lr"] = 0.5 * (R + 1)
+            hvd.broadcast_optimizer_state(opt, 2, ps)  # hvddp's earlier positional order still works
+            assert opt.param_groups[0]["lr"] == 0.5 * 3
     finally:
         hvd.remove_process_set(ps)
 

@@ -175,9 +175,9 @@ def test_timeline_is_valid_chrome_trace(tmp_path):
     assert begins == ends > 0
 
 
-def test_process_sets_removed_in_flight_unnamed_calls_and_init_lists():
+def test_process_sets_removed_in_flight_unnamed_calls_and_init_lists(tmp_path):
     env = {"HVDDP_STALL_CHECK_TIME_SECONDS": "1", "HVDDP_STALL_SHUTDOWN_TIME_SECONDS": "20"}
-    out = run(3, [os.path.join(ROOT, "tests", "mpi_core_sets.py")], timeout=120, env=env).stdout
+    out = run(3, [os.path.join(ROOT, "tests", "mpi_core_sets.py"), str(tmp_path)], timeout=120, env=env).stdout
     assert out.count("sets ok") == 3, out
     assert "'orphan'" not in out.replace("allreduce 'orphan': its process set", ""), out  # no stall warning
 

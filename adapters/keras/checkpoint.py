@@ -1,5 +1,7 @@
 """Save and resume Keras 3 training: rank 0 writes atomically, every rank resumes identically.
 
+(Rank 0 below: ``root_rank``, by default the first member of the process set.)
+
     from hvddp.keras.checkpoint import CheckpointCallback, load_checkpoint
 
     state = load_checkpoint("ckpt/last.pkl", model)          # None on a fresh start
@@ -122,7 +124,7 @@ def _optimizer(model, optimizer):
 
 def save_checkpoint(path: Union[str, os.PathLike], model: keras.Model, optimizer: Any = None, *,
                     epoch: int = 0, step: int = 0, extra: Any = None, rng: bool = True,
-                    root_rank: int = 0, process_set: ProcessSet = global_process_set) -> None:
+                    root_rank: Optional[int] = None, process_set: ProcessSet = global_process_set) -> None:
     """Write a checkpoint of ``model`` (and its optimizer) from ``root_rank``; every rank calls it.
 
     Args:
@@ -133,12 +135,14 @@ def save_checkpoint(path: Union[str, os.PathLike], model: keras.Model, optimizer
         step: saved as is.
         extra: more picklable state.
         rng: save every rank's seed-generator and global RNG states (a small gather).
-        root_rank: the rank that writes.
+        root_rank: the rank that writes: a global rank in ``process_set``; by default its first
+            member (rank 0 for the global set).
         process_set: the ranks taking part.
 
     Raises:
         CheckpointError: on every rank, when the root could not write the file.
     """
+    root_rank = _core.root_of(root_rank, "save_checkpoint", process_set)
     _sync(model)
     shared, own = _split(model)
     optimizer = _optimizer(model, optimizer)
@@ -157,11 +161,11 @@ def save_checkpoint(path: Union[str, os.PathLike], model: keras.Model, optimizer
 
 
 def load_checkpoint(path: Union[str, os.PathLike], model: keras.Model, optimizer: Any = None, *,
-                    rng: bool = True, root_rank: int = 0,
+                    rng: bool = True, root_rank: Optional[int] = None,
                     process_set: ProcessSet = global_process_set) -> Optional[Dict[str, Any]]:
     """Restore a checkpoint written by ``save_checkpoint`` on every rank; every rank calls it.
 
-    Rank 0 reads the file and broadcasts it, so every rank assigns the same values (no
+    ``root_rank`` (rank 0 by default) reads the file and broadcasts it, so every rank assigns the same values (no
     broadcast is needed afterwards; ``BroadcastGlobalVariablesCallback`` is harmless). Each
     rank gets its own seed-generator and RNG states back when the job has as many ranks as the
     one that saved it.

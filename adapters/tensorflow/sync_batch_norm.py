@@ -19,22 +19,31 @@ __all__ = ["SyncBatchNormalization"]
 class SyncBatchNormalization(keras.layers.BatchNormalization):
     """Batch normalization over the concatenation of every rank's batch, in training.
 
-    Each rank sends the per-channel sums of its inputs and of their squares, and its row count,
-    in one differentiable allreduce; mean and variance are those of all ranks' rows together
-    (ranks may hold different batch sizes), so N ranks on B/N rows each normalize as
+    Two differentiable allreduces per training call: the per-channel sums with the row count,
+    then the per-channel sums of squared deviations from that global mean (two passes: one sum of
+    squares would lose the variance of a channel whose mean is large next to its spread). Ranks
+    may hold different batch sizes, so N ranks on B/N rows each normalize as
     ``BatchNormalization`` on B rows in one process, moving statistics included. Inference, and
-    masked inputs, use the local statistics, as ``BatchNormalization`` does.
+    masked inputs, use the local statistics, as ``BatchNormalization`` does. ``get_config``
+    keeps the process set's ranks, so a clone or a reloaded model syncs over the same ranks.
 
     Args:
         fused: must be False (as in Horovod: the fused kernel computes its own statistics).
-        process_set: the ranks whose batches are normalized together.
+        process_set: the ranks whose batches are normalized together (or their list of ranks).
         **kwargs: ``keras.layers.BatchNormalization``'s arguments.
     """
 
-    def __init__(self, fused: Any = False, process_set: ProcessSet = global_process_set, **kwargs) -> None:
+    def __init__(self, fused: Any = False, process_set: Any = global_process_set, **kwargs) -> None:
         if fused in (True, None):
             raise ValueError("SyncBatchNormalization does not support fused=True; pass fused=False.")
         super().__init__(**kwargs)
+        if process_set is None or isinstance(process_set, (list, tuple)):  # from get_config
+            from hvddp.runtime import _restore_process_set
+
+            process_set = _restore_process_set("global" if process_set is None else list(process_set), None)
+        if not isinstance(process_set, ProcessSet):
+            raise TypeError(f"SyncBatchNormalization: process_set must be an hvddp.ProcessSet; Received: "
+                            f"process_set={process_set!r}.")
         self._hvddp_process_set = process_set
 
     def _moments(self, inputs, mask):
@@ -44,16 +53,17 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         axes = list(self._reduction_axes)
         wide = tf.float32 if inputs.dtype in (tf.float16, tf.bfloat16) else inputs.dtype
         x = tf.cast(inputs, wide)
-        shape = tf.shape(x)
-        count = tf.cast(tf.reduce_prod(tf.gather(shape, axes)), wide)
-        local = tf.concat([tf.reduce_sum(x, axis=axes), tf.reduce_sum(tf.square(x), axis=axes),
-                           tf.reshape(count, [1])], axis=0)
-        total = allreduce(local, op=hvddp.Sum, process_set=ps)
-        channels = (tf.shape(local)[0] - 1) // 2
-        n = total[-1]
-        mean = total[:channels] / n
-        variance = tf.maximum(total[channels:2 * channels] / n - tf.square(mean), 0.0)
-        return tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype)
+        local = tf.reduce_sum(x, axis=axes, keepdims=True)
+        count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(x), axes)), wide)
+        totals = allreduce(tf.concat([tf.reshape(local, [-1]), tf.reshape(count, [1])], axis=0),
+                           op=hvddp.Sum, process_set=ps)
+        n = totals[-1]
+        mean = tf.reshape(totals[:-1] / n, tf.shape(local))
+        squares = tf.reduce_sum(tf.square(x - mean), axis=axes)
+        variance = allreduce(squares, op=hvddp.Sum, process_set=ps) / n
+        return tf.cast(tf.reshape(mean, [-1]), inputs.dtype), tf.cast(variance, inputs.dtype)
 
     def get_config(self):
-        return dict(super().get_config(), fused=False)
+        ps = self._hvddp_process_set
+        return dict(super().get_config(), fused=False,
+                    process_set=None if ps is global_process_set else list(ps.ranks))

@@ -1,5 +1,7 @@
 """Save and resume PyTorch training: rank 0 writes atomically, every rank resumes identically.
 
+(Rank 0 below: ``root_rank``, by default the first member of the process set.)
+
     from hvddp.torch.checkpoint import load_checkpoint, save_checkpoint
 
     state = load_checkpoint("ckpt/last.pt", model, optimizer)   # None on a fresh start
@@ -84,14 +86,9 @@ def _tuples(value):
     return value
 
 
-def _check_root(root_rank: Any) -> None:
-    if isinstance(root_rank, bool) or not isinstance(root_rank, int):
-        raise TypeError(f"root_rank must be an int, got {type(root_rank).__name__} {root_rank!r}.")
-
-
 def save_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Module] = None,
                     optimizer: Optional[torch.optim.Optimizer] = None, *, epoch: int = 0, step: int = 0,
-                    scheduler: Any = None, extra: Any = None, rng: bool = True, root_rank: int = 0,
+                    scheduler: Any = None, extra: Any = None, rng: bool = True, root_rank: Optional[int] = None,
                     process_set: ProcessSet = global_process_set) -> None:
     """Write a checkpoint of the training state from ``root_rank``; every rank calls it.
 
@@ -105,13 +102,14 @@ def save_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Modu
         extra: more state to keep (tensors, numbers, strings, lists, dicts; other objects need
             ``load_checkpoint(weights_only=False)``).
         rng: save every rank's RNG states (a small gather).
-        root_rank: the rank that writes.
+        root_rank: the rank that writes: a global rank in ``process_set``; by default its first
+            member (rank 0 for the global set).
         process_set: the ranks taking part.
 
     Raises:
         CheckpointError: on every rank, when the root could not write the file.
     """
-    _check_root(root_rank)
+    root_rank = _core.root_of(root_rank, "save_checkpoint", process_set)
     rngs = hvddp.allgather_object(rng_state(), name="__hvddp.torch.checkpoint.rng",
                                   process_set=process_set) if rng else None
     data = None
@@ -133,11 +131,11 @@ def save_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Modu
 def load_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Module] = None,
                     optimizer: Optional[torch.optim.Optimizer] = None, *, scheduler: Any = None,
                     map_location: Any = "cpu", rng: bool = True, weights_only: bool = True,
-                    strict: bool = True, root_rank: int = 0,
+                    strict: bool = True, root_rank: Optional[int] = None,
                     process_set: ProcessSet = global_process_set) -> Optional[Dict[str, Any]]:
     """Restore a checkpoint written by ``save_checkpoint`` on every rank; every rank calls it.
 
-    Rank 0 reads the file and broadcasts it, so every rank loads exactly the same model and
+    ``root_rank`` (rank 0 by default) reads the file and broadcasts it, so every rank loads exactly the same model and
     optimizer state: no ``broadcast_parameters`` is needed after a successful load. Each rank
     gets back its own RNG state when the job has as many ranks as the one that saved it
     (otherwise the RNGs are left alone and rank 0 logs a warning).
@@ -150,7 +148,8 @@ def load_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Modu
         weights_only: ``torch.load``'s safe mode; False only for files you trust that hold
             arbitrary ``extra`` objects.
         strict: passed to ``model.load_state_dict``.
-        root_rank: the rank that reads the file.
+        root_rank: the rank that reads the file: a global rank in ``process_set``; by default
+            its first member (rank 0 for the global set).
         process_set: the ranks taking part.
 
     Returns:
@@ -160,7 +159,7 @@ def load_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Modu
     Raises:
         CheckpointError: on every rank, when the file cannot be read or is not such a checkpoint.
     """
-    _check_root(root_rank)
+    root_rank = _core.root_of(root_rank, "load_checkpoint", process_set)
     data = _core.load_bytes(path, root_rank, process_set)
     if data is None:
         return None

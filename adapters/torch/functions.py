@@ -103,6 +103,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"broadcast_optimizer_state: expected a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}.")
+    if isinstance(model, ProcessSet):  # hvddp's earlier positional order (optimizer, root, set)
+        process_set, model = model, None
     is_root = hvddp.rank() == root_rank  # a global rank, as in Horovod
     local = optimizer.state_dict()
     skeleton = None

@@ -358,7 +358,8 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = 
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start copying ``root_rank``'s ``tensor`` to every rank; the result is a new tensor.
 
-    ``root_rank`` is a rank within ``process_set``; shape and dtype must match on every rank.
+    ``root_rank`` is a global rank (``hvd.rank()``), a member of ``process_set``, as in Horovod;
+    shape and dtype must match on every rank.
     """
     check_tensor(tensor, "broadcast")
     core = hvddp.broadcast_async(source(tensor), root_rank, name, process_set)

@@ -239,6 +239,8 @@ class Coordinator:
                             + ". Every rank must call the same collective under one name.", first)
         for field in _fields(first.kind):
             values = {r: _value(q, field) for r, q in requests}
+            if field == "root rank":  # requests carry the set's index; users pass global ranks
+                values = {r: ps.ranks[v] if 0 <= v < len(ps.ranks) else v for r, v in values.items()}
             if len(set(values.values())) > 1:
                 shown = ", ".join(f"rank {r} {v}" for r, v in values.items())
                 return Response(first.kind, key[0], key[1],
