@@ -435,3 +435,19 @@ def test_sync_batch_normalization_large_mean_and_config_round_trip():
     assert clone._hvddp_process_set is last
     assert hvd.SyncBatchNormalization.from_config(sync.get_config())._hvddp_process_set is hvd.global_process_set
     hvd.remove_process_set(last)
+
+
+def test_horovod_positional_order_and_reducescatter_compression():
+    """Horovod's argument order (device_dense, compression, op, name, ...) and its ignored
+    ignore_name_scope; reducescatter's compression casts around the reduction."""
+    x = tf.constant(np.arange(2 * SIZE * 3, dtype=np.float32).reshape(2 * SIZE, 3) + RANK)
+    out = hvd.reducescatter(x, "", hvd.Compression.fp16, hvd.Sum, "t.rs.fp16")
+    want = np.arange(2 * SIZE * 3).reshape(2 * SIZE, 3)[2 * RANK:2 * RANK + 2] * SIZE + SIZE * (SIZE - 1) / 2
+    assert out.dtype == tf.float32
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-3)
+    (grouped,) = hvd.grouped_reducescatter([x], "", hvd.Compression.fp16, hvd.Sum, name="t.grs.fp16")
+    np.testing.assert_allclose(grouped.numpy(), want, rtol=1e-3)
+    gathered = hvd.allgather(tf.constant([float(RANK)]), "t.ag.pos", False, hvd.global_process_set)
+    np.testing.assert_array_equal(gathered.numpy(), np.arange(SIZE, dtype=np.float32))
+    bcast = hvd.broadcast(tf.constant([float(RANK)]), 0, "t.bc.pos", True)
+    np.testing.assert_array_equal(bcast.numpy(), [0.0])

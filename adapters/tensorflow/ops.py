@@ -5,6 +5,9 @@ Each op runs the numpy-level core through ``tf.numpy_function`` (stateful, so in
 (the matching collective runs backward, as in Horovod). The ops cannot run inside
 XLA-compiled functions (``jit_compile=True``); they raise a ``ValueError`` that says so.
 
+Signatures follow Horovod 0.28's, positional order included; ``ignore_name_scope`` and the
+``device_*`` arguments are accepted and ignored (hvddp names ops as below, not by name scope).
+
 Names: every collective matches across ranks by name. Without ``name=``, an eager call takes
 the next value of a per-process counter (so ranks must make the same unnamed calls in the same
 order) and a call inside ``tf.function`` gets a name fixed when the function is traced (the
@@ -97,7 +100,7 @@ def _allreduce_raw(tensor: tf.Tensor, name: str, op, pre: float, post: float, co
 def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "", device_sparse: str = "",
               compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, name: Optional[str] = None,
-              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+              process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False) -> tf.Tensor:
     """Reduce ``tensor`` across ranks; return a tensor of the same shape and dtype.
 
     Every member of ``process_set`` must run the op with the same name, dtype, shape, op and
@@ -157,8 +160,8 @@ def _grouped_raw(tensors: List[tf.Tensor], base: str, labels: Sequence[str], op,
 def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, device_dense: str = "",
                       device_sparse: str = "", compression: Any = Compression.none, op: Any = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      name: Optional[str] = None, process_set: ProcessSet = global_process_set
-                      ) -> List[tf.Tensor]:
+                      process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False,
+                      name: Optional[str] = None) -> List[tf.Tensor]:
     """Reduce a list of tensors as one atomic group (one op, one engine submission).
 
     Members are named ``<name>.<i>``. Same contract as ``allreduce`` for each member.
@@ -231,8 +234,8 @@ def drop_absent(reduced: List[Any], flags: Any, present: List[bool], who: str) -
 
 
 # allgather --------------------------------------------------------------------------------
-def allgather(tensor: Any, name: Optional[str] = None, process_set: ProcessSet = global_process_set
-              ) -> tf.Tensor:
+def allgather(tensor: Any, name: Optional[str] = None, ignore_name_scope: bool = False,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Concatenate every rank's ``tensor`` along the first dimension, in rank order.
 
     The first dimension may differ across ranks; dtype and the other dimensions must match.
@@ -272,7 +275,7 @@ def allgather(tensor: Any, name: Optional[str] = None, process_set: ProcessSet =
 
 
 # broadcast --------------------------------------------------------------------------------
-def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None,
+def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None, ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Return ``root_rank``'s ``tensor`` on every rank (shape and dtype must match).
 
@@ -310,7 +313,7 @@ def _check_root(root_rank: Any, process_set: ProcessSet, fn: str) -> None:
 
 
 # alltoall, reducescatter ---------------------------------------------------------------------
-def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
+def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None, ignore_name_scope: bool = False,
              process_set: ProcessSet = global_process_set) -> Any:
     """Send ``splits[i]`` rows of ``tensor`` to rank ``i``; gather the rows sent to this rank.
 
@@ -355,12 +358,14 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
     return out if splits is None else (out, received)
 
 
-def reducescatter(tensor: Any, name: Optional[str] = None, op: Any = None,
-                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compression.none, op: Any = None,
+                  name: Optional[str] = None, process_set: ProcessSet = global_process_set,
+                  ignore_name_scope: bool = False, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> tf.Tensor:
     """Reduce ``tensor`` across ranks and return this rank's rows (first ``rows % size`` ranks
-    get one more). ``op`` defaults to Average. The gradient (Average and Sum) is the allgather
-    of the rows' gradients, scaled as the forward was."""
+    get one more). ``op`` defaults to Average; ``compression`` (e.g. ``Compression.fp16``) casts
+    around the reduction. The gradient (Average and Sum) is the allgather of the rows'
+    gradients, scaled as the forward was."""
     op = _grouping.check_op(op, None, "reducescatter")
     tensor = _dense(tensor, "reducescatter")
     if tensor.shape.rank == 0:
@@ -370,8 +375,10 @@ def reducescatter(tensor: Any, name: Optional[str] = None, op: Any = None,
     pre, post = float(prescale_factor), float(postscale_factor)
 
     def body(x):
-        return np.asarray(hvddp.reducescatter(x, name=name, op=op, process_set=process_set,
-                                              prescale_factor=pre, postscale_factor=post), dtype=x.dtype)
+        c, ctx = compression.compress(np.asarray(x))
+        out = hvddp.reducescatter(c, name=name, op=op, process_set=process_set, prescale_factor=pre,
+                                  postscale_factor=post)
+        return np.asarray(compression.decompress(out, ctx), dtype=x.dtype)
 
     def grad_body(dy):
         if op not in (hvddp.Average, hvddp.Sum):
@@ -405,7 +412,7 @@ def _outputs(outs) -> List[tf.Tensor]:
     return list(outs) if isinstance(outs, (list, tuple)) else [outs]
 
 
-def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None,
+def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None, ignore_name_scope: bool = False,
                       process_set: ProcessSet = global_process_set) -> List[tf.Tensor]:
     """Allgather each tensor of a list as one atomic group (one op, one engine submission).
 
@@ -450,9 +457,10 @@ def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None,
     return list(_op(*tensors))
 
 
-def grouped_reducescatter(tensors: Sequence[Any], name: Optional[str] = None, op: Any = None,
-                          process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                          postscale_factor: float = 1.0) -> List[tf.Tensor]:
+def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compression: Any = Compression.none,
+                          op: Any = None, process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                          name: Optional[str] = None) -> List[tf.Tensor]:
     """Reducescatter each tensor of a list as one atomic group (one op, one engine submission).
 
     Members are named ``<name>.<i>``; each has ``reducescatter``'s contract and gradient.
@@ -469,9 +477,10 @@ def grouped_reducescatter(tensors: Sequence[Any], name: Optional[str] = None, op
     pre, post = float(prescale_factor), float(postscale_factor)
 
     def body(*xs):
-        outs = hvddp.grouped_reducescatter(list(xs), name=name, op=op, process_set=process_set,
+        packed = [compression.compress(np.asarray(x)) for x in xs]
+        outs = hvddp.grouped_reducescatter([c for c, _ in packed], name=name, op=op, process_set=process_set,
                                            prescale_factor=pre, postscale_factor=post)
-        return [np.asarray(o, dtype=x.dtype) for o, x in zip(outs, xs)]
+        return [np.asarray(compression.decompress(o, ctx), dtype=x.dtype) for o, (_, ctx), x in zip(outs, packed, xs)]
 
     def grad_body(*dys):
         if op not in (hvddp.Average, hvddp.Sum):
