@@ -445,6 +445,25 @@ def test_zero_grad_refused_while_pending_and_set_to_none():
     assert model.fc1.weight.grad is None
 
 
+def test_changing_backward_passes_mid_step_is_refused():
+    """Between backward and step the old count is in use (reductions may be in flight): a change
+    then would let replicas diverge, so it raises on every rank; after step() it applies."""
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    model(torch.ones(2, 6)).sum().backward()
+    if N > 1:
+        with pytest.raises(hvd.HvddpError, match="right after step"):
+            opt.set_backward_passes_per_step(2)
+    opt.step()
+    opt.zero_grad()
+    opt.backward_passes_per_step = 2
+    for _ in range(2):
+        model(torch.ones(2, 6)).sum().backward()
+    opt.step()
+    assert opt.backward_passes_per_step == 2
+
+
 def test_too_many_backward_passes_is_an_error():
     model = Net()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),

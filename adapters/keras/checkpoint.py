@@ -217,11 +217,13 @@ class CheckpointCallback(keras.callbacks.Callback):
     """
 
     def __init__(self, path: Union[str, os.PathLike], every: int = 1, rng: bool = True,
-                 process_set: ProcessSet = global_process_set) -> None:
+                 process_set: ProcessSet = global_process_set, root_rank: Optional[int] = None) -> None:
         super().__init__()
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"CheckpointCallback: every must be an int >= 1, got {every!r}.")
         self.path, self.every, self.rng, self.process_set = path, every, rng, process_set
+        self.root_rank = _core.root_of(root_rank, "CheckpointCallback", process_set) \
+            if hvddp.is_initialized() else root_rank
 
     def on_train_begin(self, logs=None):
         pending = self.model.__dict__.pop("_hvddp_pending_rng", None)
@@ -231,4 +233,4 @@ class CheckpointCallback(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if (epoch + 1) % self.every == 0:
             save_checkpoint(self.path, self.model, epoch=epoch + 1, rng=self.rng,
-                            process_set=self.process_set)
+                            root_rank=self.root_rank, process_set=self.process_set)

@@ -385,8 +385,18 @@ class _DistributedOptimizer:
     # public API ---------------------------------------------------------------------------
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Accumulate ``passes`` backward passes locally before each reduction from now on (as
-        Horovod's; the count restarts for every parameter). Every rank must make the same call."""
+        Horovod's). Call it between ``step()`` and the next backward pass, on every rank.
+
+        Raises:
+            HvddpError: a backward pass ran since the last step: its gradients are accumulating
+                or already being reduced under the old count (on every rank alike).
+        """
         _check_passes(passes)
+        if self._hvddp_touched or self._hvddp_submitted or self._hvddp_flights:
+            raise HvddpError(f"set_backward_passes_per_step({passes}): a backward pass ran since the last "
+                             f"step(), so gradients are accumulating or being reduced under "
+                             f"backward_passes_per_step={self._hvddp_bpps}. Call it right after step() (or "
+                             f"synchronize()), before the next backward pass.")
         self._hvddp_bpps = int(passes)
         for p in self._hvddp_delay:
             self._hvddp_delay[p] = self._hvddp_bpps
