@@ -615,6 +615,16 @@ def _process_set_op(what: str, ps: ProcessSet, state):
     return handle.wait()
 
 
+def _dumps(obj: Any) -> bytes:
+    """``cloudpickle`` where it is installed (as Horovod: lambdas and local functions travel too),
+    else ``pickle``; ``pickle.loads`` reads both."""
+    try:
+        import cloudpickle
+    except ImportError:
+        return pickle.dumps(obj)
+    return cloudpickle.dumps(obj)
+
+
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Return ``root_rank``'s picklable ``obj`` on every rank (two broadcasts: size, bytes)."""
@@ -622,7 +632,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
     _, view = _process_set(process_set, "broadcast_object")
     is_root = view.rank == _root("broadcast_object", root_rank, view, process_set)
     name = name or _auto_name("broadcast_object", process_set)
-    data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if is_root else None
+    data = np.frombuffer(_dumps(obj), dtype=np.uint8) if is_root else None
     length = np.array([data.size if is_root else 0], dtype=np.int64)
     length = broadcast(length, root_rank, f"{name}.size", process_set)
     buf = data if is_root else np.zeros(int(length[0]), dtype=np.uint8)
@@ -636,7 +646,7 @@ def allgather_object(obj: Any, name: Optional[str] = None,
     name = _check_name(name, "allgather_object")
     _process_set(process_set, "allgather_object")
     name = name or _auto_name("allgather_object", process_set)
-    data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+    data = np.frombuffer(_dumps(obj), dtype=np.uint8)
     sizes = allgather(np.array([data.size], dtype=np.int64), f"{name}.size", process_set)
     gathered = allgather(data, f"{name}.data", process_set)
     out, offset = [], 0

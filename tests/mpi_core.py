@@ -4,6 +4,7 @@ Inputs depend on the rank, so each rank computes every other rank's input and as
 exact result. Run directly: mpiexec -n 2 python -m mpi4py -m pytest tests/mpi_core.py
 """
 
+import importlib.util
 import threading
 import time
 
@@ -343,6 +344,11 @@ def test_objects():
     assert hvddp.allgather_object(obj) == [{"rank": r, "payload": list(range(r))} for r in range(N)]
     with pytest.raises(ValueError, match=r"broadcast_object: root_rank is a global rank .* in \[0, \d+\)"):
         hvddp.broadcast_object(obj, root_rank=N)  # named as the call the user made
+    offset = 7 + R
+    if importlib.util.find_spec("cloudpickle") is not None:  # as Horovod: functions travel too
+        fn = hvddp.broadcast_object(lambda x: x + offset, root_rank=0)
+        assert fn(1) == 8
+        assert [f(0) for f in hvddp.allgather_object(lambda x: x + offset)] == [7 + r for r in range(N)]
 
 
 def test_runtime_queries():
