@@ -14,6 +14,11 @@ import numpy as np
 
 import hvddp
 
+def rows_here(rows: int, size: int, rank: int) -> int:
+    """The rows of a reducescatter result on ``rank`` (the first ``rows % size`` get one more)."""
+    return rows // size + (1 if rank < rows % size else 0)
+
+
 def check_same_lists(name: str, labels: Sequence[str], shapes: Sequence[tuple], dtypes: Sequence[str],
                      process_set: Any) -> None:
     """Check that every rank passes as many tensors, of the same shapes and dtypes, in order.

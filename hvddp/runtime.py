@@ -422,30 +422,28 @@ def _check_process_sets(comm, process_sets) -> List[ProcessSet]:
         mine = [list(ps.ranks) if ps.ranks is not None else list(range(size)) for ps in sets]
     except (TypeError, ValueError) as exc:
         problem = exc
-    every = comm.allgather((mine, None if problem is None else (type(problem).__name__, str(problem))))
-    if problem is not None:
-        raise problem
-    failed = next(((r, p) for r, (_, p) in enumerate(every) if p is not None), None)
-    if failed is not None:
-        kind = TypeError if failed[1][0] == "TypeError" else ValueError
-        raise kind(f"rank {failed[0]}: {failed[1][1]}")
-    differ = [r for r, (lists, _) in enumerate(every) if lists != every[0][0]]
+    every = _raise_together(comm, problem, mine, "process_sets")
+    differ = [r for r, lists in enumerate(every) if lists != every[0]]
     if differ:
-        raise ValueError(f"init(process_sets=...) differs across ranks: rank 0 passed {every[0][0]}, "
-                         + ", ".join(f"rank {r} {every[r][0]}" for r in differ)
+        raise ValueError(f"init(process_sets=...) differs across ranks: rank 0 passed {every[0]}, "
+                         + ", ".join(f"rank {r} {every[r]}" for r in differ)
                          + ". Pass the same sets, in the same order, on every rank.")
     return sets
 
 
-def _raise_together(comm, error: Optional[ValueError]) -> None:
-    """Raise a bad environment variable on every rank of ``comm``: a rank that raised alone
-    would leave the others waiting in ``init()``'s first collective (without ``-m mpi4py``)."""
-    errors = comm.allgather(None if error is None else str(error))
+def _raise_together(comm, error: Optional[Exception], payload: Any = None, source: str = "environment") -> list:
+    """Raise ``error`` (a ``ValueError`` or ``TypeError`` found on this rank alone, in its
+    ``source``) on every rank of ``comm``: a rank that raised alone would leave the others waiting
+    in ``init()``'s next collective (without ``-m mpi4py``). Returns every rank's ``payload``,
+    gathered in the same collective."""
+    every = comm.allgather((payload, None if error is None else (type(error).__name__, str(error))))
     if error is not None:
         raise error
-    first = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
+    first = next(((r, e) for r, (_, e) in enumerate(every) if e is not None), None)
     if first is not None:
-        raise ValueError(f"rank {first[0]}'s environment: {first[1]}")
+        kind = TypeError if first[1][0] == "TypeError" else ValueError
+        raise kind(f"rank {first[0]}'s {source}: {first[1][1]}")
+    return [p for p, _ in every]
 
 
 def mpi_threads_supported() -> bool:

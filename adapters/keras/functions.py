@@ -102,7 +102,7 @@ def reducescatter(value: Any, name: Optional[str] = None, op: Any = None,
     if not shape:
         raise ValueError("reducescatter: value is 0-d; pass at least a 1-d tensor.")
     size, rank = process_set.size(), process_set.rank()
-    out_shape = (shape[0] // size + (1 if rank < shape[0] % size else 0),) + shape[1:]
+    out_shape = (_grouping.rows_here(shape[0], size, rank),) + shape[1:]
     if backend == "jax":
         import jax
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import numbers
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -80,6 +80,11 @@ def _size(process_set: ProcessSet) -> int:
 
 def _py(fn, inputs: List[tf.Tensor], touts: List[tf.DType], op_name: str):
     return tf.numpy_function(fn, inputs, touts, stateful=True, name=op_name)
+
+
+def _outputs(outs) -> List[tf.Tensor]:
+    """A multi-output ``_py`` op's results as a list (TensorFlow gives one tensor bare)."""
+    return list(outs) if isinstance(outs, (list, tuple)) else [outs]
 
 
 # allreduce --------------------------------------------------------------------------------
@@ -150,8 +155,7 @@ def _grouped_raw(tensors: List[tf.Tensor], base: str, labels: Sequence[str], op,
     def body(*xs):
         return _grouping.reduce_group(xs, base, labels, op, pre, post, compression, process_set)
 
-    outs = _py(body, tensors, [t.dtype for t in tensors], "HvddpGroupedAllreduce")
-    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    outs = _outputs(_py(body, tensors, [t.dtype for t in tensors], "HvddpGroupedAllreduce"))
     for o, t in zip(outs, tensors):
         o.set_shape(t.shape)
     return outs
@@ -394,7 +398,7 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
         rows = x.shape[0]
         if rows is not None:
             size, rank = _size(process_set), _set_rank(process_set)
-            rows = rows // size + (1 if rank < rows % size else 0)
+            rows = _grouping.rows_here(rows, size, rank)
         out.set_shape(tf.TensorShape([rows]).concatenate(x.shape[1:]))
 
         def grad(dy):
@@ -408,8 +412,13 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
 
 
 # grouped allgather, grouped reducescatter -----------------------------------------------------
-def _outputs(outs) -> List[tf.Tensor]:
-    return list(outs) if isinstance(outs, (list, tuple)) else [outs]
+def _group_inputs(tensors: Sequence[Any], fn: str) -> List[tf.Tensor]:
+    """A grouped op's members as dense tensors, each at least 1-d (``fn`` names the errors)."""
+    tensors = [_dense(t, fn) for t in tensors]
+    for i, t in enumerate(tensors):
+        if t.shape.rank == 0:
+            raise ValueError(f"{fn}: tensors[{i}] is 0-d; pass at least 1-d tensors.")
+    return tensors
 
 
 def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None, ignore_name_scope: bool = False,
@@ -418,10 +427,7 @@ def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None, ignore
 
     Members are named ``<name>.<i>``; each has ``allgather``'s contract and gradient.
     """
-    tensors = [_dense(t, "grouped_allgather") for t in tensors]
-    for i, t in enumerate(tensors):
-        if t.shape.rank == 0:
-            raise ValueError(f"grouped_allgather: tensors[{i}] is 0-d; pass at least 1-d tensors.")
+    tensors = _group_inputs(tensors, "grouped_allgather")
     if not tensors:
         return []
     name = _name(name, "grouped_allgather", process_set)
@@ -466,10 +472,7 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compre
     Members are named ``<name>.<i>``; each has ``reducescatter``'s contract and gradient.
     """
     op = _grouping.check_op(op, None, "grouped_reducescatter")
-    tensors = [_dense(t, "grouped_reducescatter") for t in tensors]
-    for i, t in enumerate(tensors):
-        if t.shape.rank == 0:
-            raise ValueError(f"grouped_reducescatter: tensors[{i}] is 0-d; pass at least 1-d tensors.")
+    tensors = _group_inputs(tensors, "grouped_reducescatter")
     if not tensors:
         return []
     name = _name(name, "grouped_reducescatter", process_set)
@@ -497,7 +500,7 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compre
         for o, x in zip(outs, xs):
             rows = x.shape[0]
             if rows is not None:
-                rows = rows // size + (1 if rank < rows % size else 0)
+                rows = _grouping.rows_here(rows, size, rank)
             o.set_shape(tf.TensorShape([rows]).concatenate(x.shape[1:]))
 
         def grad(*dys):
