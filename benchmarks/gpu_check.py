@@ -38,6 +38,7 @@ Sections (each guarded: one failure does not hide the rest):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -68,6 +69,7 @@ def row(section, check, ok, detail=""):
 
 def guarded(section):
     def wrap(fn):
+        @functools.wraps(fn)
         def run(*args, **kwargs):
             try:
                 fn(*args, **kwargs)
@@ -427,7 +429,7 @@ def mpiexec():
     return local if os.path.exists(local) else shutil.which("mpiexec")
 
 
-def run_workers(np_, mode, section, timeout=240):
+def run_workers(np_, mode, section, timeout=240, extra_env=None):
     exe = mpiexec()
     if exe is None:
         row(section, "mpiexec", False, "no mpiexec (pip install mpich)")
@@ -436,6 +438,7 @@ def run_workers(np_, mode, section, timeout=240):
            if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "MPICH_"))}
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra_env or {})
     cmd = [exe, "-n", str(np_), sys.executable, "-m", "mpi4py", os.path.abspath(__file__), "--worker", mode]
     t0 = time.perf_counter()
     try:
@@ -495,7 +498,9 @@ def section_optimizer():
         row("optimizer", "DistributedOptimizer on CUDA", None, "torch has no CUDA (install a CUDA build)")
         return
     run_workers(1, "optimizer", "optimizer")
-    run_workers(2, "optimizer", "optimizer")
+    # two ranks sharing one GPU cannot both join an NCCL communicator: stage through MPI there
+    shared = torch.cuda.device_count() < 2
+    run_workers(2, "optimizer", "optimizer", extra_env={"HVDDP_GPU_OPERATIONS": "MPI"} if shared else None)
 
 
 @guarded("bandwidth")
@@ -622,7 +627,8 @@ def optimizer_worker(comm, rank, size):
     gathered = hvd.allgather(flat.reshape(1, -1).cpu(), name="gpu_check.params")
     same = bool((gathered == gathered[0]).all())
     if rank == 0:
-        emit(f"DistributedOptimizer on {device.type} np={size}: parity with one process on the full batch",
+        path = os.environ.get("HVDDP_GPU_OPERATIONS", "NCCL")
+        emit(f"DistributedOptimizer on {device.type} np={size} ({path}): parity with one process on the full batch",
              diff < 1e-5 and same, f"max |diff| {diff:.2e}, replicas identical: {same}")
     hvd.shutdown()
 
@@ -639,6 +645,8 @@ def main():
     use_fake_cupy()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--only", default="", help="comma-separated sections to run (default: all), "
+                                                   "e.g. --only kernels,bandwidth")
     args = parser.parse_args()
     if args.worker:
         worker(args.worker)
@@ -651,9 +659,15 @@ def main():
                                   f"matching the CUDA driver)")
     else:
         # sections that launch mpiexec run before this process initializes MPI itself
-        for section in (section_env, section_kernels, section_staging, section_optimizer,
-                        section_nccl_two, section_nccl_single, section_public_api, section_bandwidth):
-            section()
+        sections = (section_env, section_kernels, section_staging, section_optimizer,
+                    section_nccl_two, section_nccl_single, section_public_api, section_bandwidth)
+        names = {fn.__name__[len("section_"):] for fn in sections}
+        only = set(filter(None, args.only.split(",")))
+        if only - names:
+            parser.error(f"--only: unknown section(s) {sorted(only - names)}; known: {sorted(names)}")
+        for section in sections:
+            if not only or section.__name__[len("section_"):] in only:
+                section()
     print()
     print(f"hvddp gpu_check ({time.perf_counter() - t0:.0f} s)")
     widths = [max(len(r[i]) for r in ROWS) for i in range(3)]

@@ -30,7 +30,8 @@ ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8
             "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 ALIGN_BYTES = 64  # every tensor starts on a 64-byte boundary of the fusion buffer
 BLOCK_THREADS = 256
-BLOCK_ELEMS = BLOCK_THREADS * 8  # elements one thread block copies
+PER_THREAD = 8  # elements one thread copies: all loaded before any is stored, to keep loads in flight
+BLOCK_ELEMS = BLOCK_THREADS * PER_THREAD  # elements one thread block copies
 
 
 def storage_dtype(name: str) -> str:
@@ -81,6 +82,8 @@ class PackPlan(NamedTuple):
         total: elements the buffer needs (the last tensor's end, not padded).
         blocks: int64 array of shape (2, nblocks): the tensor index and first element of each
             thread block. Tensors of zero elements get no block.
+        tail: the pointer table's part that depends on the plan alone (counts, then blocks), so a
+            launch converts only the pointers.
     """
 
     wire: str
@@ -88,6 +91,7 @@ class PackPlan(NamedTuple):
     offsets: Tuple[int, ...]
     total: int
     blocks: np.ndarray
+    tail: np.ndarray
 
     @property
     def nblocks(self) -> int:
@@ -118,7 +122,9 @@ def make_plan(counts: Sequence[int], wire: str, align_bytes: int = ALIGN_BYTES,
         blocks[0] = np.repeat(np.arange(len(counts), dtype=np.int64), per)
         first = np.cumsum([0] + per[:-1])
         blocks[1] = (np.arange(nblocks, dtype=np.int64) - np.repeat(first, per)) * block_elems
-    return PackPlan(wire, tuple(int(n) for n in counts), tuple(offsets), end, blocks)
+    counts = tuple(int(n) for n in counts)
+    tail = np.concatenate([np.asarray(counts, dtype=np.int64), blocks.reshape(-1)])
+    return PackPlan(wire, counts, tuple(offsets), end, blocks, tail)
 
 
 def pointer_table(plan: PackPlan, src: Sequence[int], dst: Sequence[int]) -> np.ndarray:
@@ -132,8 +138,7 @@ def pointer_table(plan: PackPlan, src: Sequence[int], dst: Sequence[int]) -> np.
     table = np.empty(3 * n + 2 * plan.nblocks, dtype=np.int64)
     table[:n] = src
     table[n:2 * n] = dst
-    table[2 * n:3 * n] = plan.counts
-    table[3 * n:] = plan.blocks.reshape(-1)
+    table[2 * n:] = plan.tail
     return table
 
 
@@ -236,16 +241,22 @@ extern "C" __global__ void {name}(const long long* table, long long n, long long
     const long long b = blockIdx.x;
     if (b >= nblocks) return;
     const long long e = table[3 * n + b];
-    const long long start = table[3 * n + nblocks + b];
-    long long stop = start + {BLOCK_ELEMS}LL;
+    const long long first = table[3 * n + nblocks + b] + threadIdx.x;
     const long long count = table[2 * n + e];
-    if (stop > count) stop = count;
     const {s_t}* s = (const {s_t}*)table[e];
     const long long k = scale > 0.0 && scale <= 0.5 ? llround(1.0 / scale) : 0;
     {d_t}* d = ({d_t}*)table[n + e];
-    for (long long i = start + threadIdx.x; i < stop; i += blockDim.x) {{
-        const {s_t} x = s ? s[i] : ({s_t})0;
-        d[i] = scaled ? {scaled} : {plain};
+    {s_t} xs[{PER_THREAD}];
+    #pragma unroll
+    for (int j = 0; j < {PER_THREAD}; ++j) {{  // every load first: {PER_THREAD} in flight per thread
+        const long long i = first + (long long)j * {BLOCK_THREADS};
+        xs[j] = s && i < count ? s[i] : ({s_t})0;
+    }}
+    #pragma unroll
+    for (int j = 0; j < {PER_THREAD}; ++j) {{
+        const long long i = first + (long long)j * {BLOCK_THREADS};
+        const {s_t} x = xs[j];
+        if (i < count) d[i] = scaled ? {scaled} : {plain};
     }}
 }}
 """
