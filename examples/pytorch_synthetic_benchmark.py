@@ -6,7 +6,9 @@ Models: ``mlp`` (20 x [Linear(1024, 1024) + LayerNorm + ReLU] + Linear(1024, 10)
 parameters), ``convnet`` (a small CNN on 3x32x32 images), or any torchvision model name when
 torchvision is installed (``resnet50`` as in Horovod's script). Prints img/sec per rank for each
 iteration and the total with a 95% interval, on rank 0. For ratios against one process and
-against PyTorch DDP measured in the same run, see ``benchmarks/train_torch.py``.
+against PyTorch DDP measured in the same run, see ``benchmarks/train_torch.py``. Trains on the
+GPU of its local rank where CUDA is available (``--no-cuda`` keeps it on the CPU); ranks that
+share one GPU need ``HVDDP_GPU_OPERATIONS=MPI``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ parser.add_argument("--num-warmup-batches", type=int, default=5, help="number of
 parser.add_argument("--num-batches-per-iter", type=int, default=10, help="number of batches per iteration")
 parser.add_argument("--num-iters", type=int, default=5, help="number of benchmark iterations")
 parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+parser.add_argument("--no-cuda", action="store_true", default=False,
+                    help="train on the CPU even where CUDA is available")
 
 
 def build_model(name: str):
@@ -57,9 +61,14 @@ def main() -> None:
     args = parser.parse_args()
     hvd.init()
     torch.set_num_threads(args.threads)
+    cuda = not args.no_cuda and torch.cuda.is_available()
+    if cuda:  # one GPU per rank on each node, by local rank
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+    device = torch.device("cuda" if cuda else "cpu")
     torch.manual_seed(0)
 
     model, shape, classes = build_model(args.model)
+    model.to(device)
     optimizer = optim.SGD(model.parameters(), lr=0.01 * hvd.size())
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
@@ -67,14 +76,22 @@ def main() -> None:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
-    data = torch.randn(args.batch_size, *shape)
-    target = torch.randint(0, classes, (args.batch_size,))
+    data = torch.randn(args.batch_size, *shape, device=device)
+    target = torch.randint(0, classes, (args.batch_size,), device=device)
 
     def benchmark_step():
         optimizer.zero_grad()
         loss = F.cross_entropy(model(data), target)
         loss.backward()
         optimizer.step()
+
+    def timed(steps: int) -> float:
+        start = timeit.default_timer()
+        for _ in range(steps):
+            benchmark_step()
+        if cuda:  # kernels run asynchronously: wait for them before reading the clock
+            torch.cuda.synchronize()
+        return timeit.default_timer() - start
 
     def log(text: str) -> None:
         if hvd.rank() == 0:
@@ -83,19 +100,20 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     log(f"Model: {args.model} ({params / 1e6:.1f}M parameters)")
     log(f"Batch size: {args.batch_size}")
-    log(f"Number of CPUs: {hvd.size()}")
+    unit = "GPU" if cuda else "CPU"
+    log(f"Number of {unit}s: {hvd.size()}")
     log("Running warmup...")
-    timeit.timeit(benchmark_step, number=args.num_warmup_batches)
+    timed(args.num_warmup_batches)
     log("Running benchmark...")
     img_secs = []
     for x in range(args.num_iters):
-        seconds = timeit.timeit(benchmark_step, number=args.num_batches_per_iter)
+        seconds = timed(args.num_batches_per_iter)
         img_sec = args.batch_size * args.num_batches_per_iter / seconds
-        log(f"Iter #{x}: {img_sec:.1f} img/sec per CPU")
+        log(f"Iter #{x}: {img_sec:.1f} img/sec per {unit}")
         img_secs.append(img_sec)
     mean, conf = np.mean(img_secs), 1.96 * np.std(img_secs)
-    log(f"Img/sec per CPU: {mean:.1f} +-{conf:.1f}")
-    log(f"Total img/sec on {hvd.size()} CPU(s): {hvd.size() * mean:.1f} +-{hvd.size() * conf:.1f}")
+    log(f"Img/sec per {unit}: {mean:.1f} +-{conf:.1f}")
+    log(f"Total img/sec on {hvd.size()} {unit}(s): {hvd.size() * mean:.1f} +-{hvd.size() * conf:.1f}")
 
 
 if __name__ == "__main__":
