@@ -9,6 +9,7 @@ Only the active backend's framework is imported, and only when first needed.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
@@ -78,6 +79,38 @@ def _torch_call(fn: Callable[..., List[np.ndarray]], tensors: Sequence[Any]) -> 
 
 
 # jax --------------------------------------------------------------------------------------
+# Set when an hvddp callback raised. On a GPU, JAX keeps that error in the token that orders
+# io_callback(ordered=True) effects, and every later ordered callback of the process then fails
+# with the same error before it runs (seen on an H200: after one MismatchError, a correct new
+# model could not train). CPU executions leave the token clean.
+_callback_failed = threading.Event()
+
+
+def _renew_effect_tokens() -> None:
+    """After a failed callback, wait out in-flight work and give JAX fresh effect tokens.
+
+    Runs where hvddp is traced or called eagerly, on the dispatching thread (JAX keeps its tokens
+    per thread), so a model traced after the failure trains. A step already compiled before it
+    keeps the failed token until it is traced again.
+    """
+    if not _callback_failed.is_set():
+        return
+    _callback_failed.clear()
+    try:
+        from jax._src import dispatch
+
+        tokens = dispatch.runtime_tokens
+        pending = list(tokens.current_tokens.values()) + list(tokens.output_runtime_tokens.values())
+    except (ImportError, AttributeError):  # a JAX without these internals: nothing to renew
+        return
+    for token in pending:
+        try:
+            token.block_until_ready()
+        except Exception:  # the failure already reached its caller
+            pass
+    tokens.clear()
+
+
 def _jax_call(fn: Callable[..., List[np.ndarray]], tensors: Sequence[Any],
               out_shapes: Optional[Sequence[tuple]] = None) -> List[Any]:
     import jax
@@ -87,8 +120,13 @@ def _jax_call(fn: Callable[..., List[np.ndarray]], tensors: Sequence[Any],
     result = [jax.ShapeDtypeStruct(s, t.dtype) for s, t in zip(shapes, tensors)]
 
     def callback(*arrays):
-        return [np.asarray(a) for a in fn(*[np.asarray(a) for a in arrays])]
+        try:
+            return [np.asarray(a) for a in fn(*[np.asarray(a) for a in arrays])]
+        except BaseException:
+            _callback_failed.set()
+            raise
 
+    _renew_effect_tokens()
     return list(io_callback(callback, result, *tensors, ordered=True))
 
 
