@@ -90,8 +90,8 @@ def _renew_effect_tokens() -> None:
     """After a failed callback, wait out in-flight work and give JAX fresh effect tokens.
 
     Runs where hvddp is traced or called eagerly, on the dispatching thread (JAX keeps its tokens
-    per thread), so a model traced after the failure trains. A step already compiled before it
-    keeps the failed token until it is traced again.
+    per thread), so a model traced after the failure trains. A step compiled before it keeps
+    failing until something is traced again (``model.compile`` makes Keras retrace).
     """
     if not _callback_failed.is_set():
         return
