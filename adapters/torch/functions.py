@@ -18,19 +18,26 @@ __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_objec
 
 
 class _TensorSpec:
-    """What a state tensor looks like on the root, so other ranks can allocate it."""
+    """What a state tensor looks like on the root, so other ranks can allocate it: its shape,
+    dtype, and whether it lives with its parameter (a momentum buffer on the GPU) or on the CPU
+    whatever the parameter's device (Adam's ``step``)."""
 
-    __slots__ = ("shape", "dtype")
+    __slots__ = ("shape", "dtype", "with_param")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, param: Optional[torch.Tensor]) -> None:
         self.shape = tuple(tensor.shape)
         self.dtype = tensor.dtype
+        self.with_param = param is not None and tensor.device == param.device
+
+    def empty(self, param: Optional[torch.Tensor]) -> torch.Tensor:
+        device = param.device if self.with_param and param is not None else torch.device("cpu")
+        return torch.empty(self.shape, dtype=self.dtype, device=device)
 
     def __getstate__(self):
-        return (self.shape, str(self.dtype).replace("torch.", ""))
+        return (self.shape, str(self.dtype).replace("torch.", ""), self.with_param)
 
     def __setstate__(self, state):
-        self.shape, dtype = state
+        self.shape, dtype, self.with_param = state
         self.dtype = getattr(torch, dtype)
 
 
@@ -107,10 +114,13 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
         process_set, model = model, None
     is_root = hvddp.rank() == root_rank  # a global rank, as in Horovod
     local = optimizer.state_dict()
+    # state_dict numbers the parameters over the groups in order; a state tensor goes where its
+    # parameter lives on each rank (ranks of one node use different GPUs)
+    params = dict(enumerate(p for group in optimizer.param_groups for p in group["params"]))
     skeleton = None
     if is_root:
         skeleton = {"param_groups": local["param_groups"],
-                    "state": {k: {n: _TensorSpec(v) if isinstance(v, torch.Tensor) else v
+                    "state": {k: {n: _TensorSpec(v, params.get(k)) if isinstance(v, torch.Tensor) else v
                                   for n, v in s.items()} for k, s in local["state"].items()}}
     skeleton = hvddp.broadcast_object(skeleton, root_rank, "broadcast_optimizer_state.skeleton",
                                       process_set)
@@ -127,7 +137,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
         for field, value in skeleton["state"][key].items():
             if isinstance(value, _TensorSpec):
                 tensor = (local["state"][key][field].detach() if is_root
-                          else torch.empty(value.shape, dtype=value.dtype))
+                          else value.empty(params.get(key)))
                 handles.append(broadcast_async_(tensor, root_rank,
                                                 f"broadcast_optimizer_state.{key}.{field}", process_set))
                 value = tensor

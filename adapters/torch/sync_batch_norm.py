@@ -69,7 +69,7 @@ class SyncBatchNorm(_BatchNorm):
         channels = x.shape[1]
         dims = [0] + list(range(2, x.dim()))
         shape = [1, channels] + [1] * (x.dim() - 2)
-        count = torch.tensor([x.numel() // channels], dtype=x.dtype)
+        count = torch.tensor([x.numel() // channels], dtype=x.dtype, device=x.device)
         totals = allreduce(torch.cat([x.sum(dims), count]), op=Sum, name=f"{self._hvddp_name}.sum",
                            process_set=self.process_set)
         n = totals[channels].detach()
