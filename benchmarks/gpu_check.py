@@ -30,6 +30,10 @@ Sections (each guarded: one failure does not hide the rest):
   staging    `mpiexec -n 2` sharing the GPU, HVDDP_GPU_OPERATIONS=MPI path: allreduce of every
              dtype with rank-dependent inputs (exact), broadcast/allgather/alltoall/reducescatter
   public API hvddp.allreduce on a CuPy array, if ops.py accepts device arrays yet
+  torch ops  hvddp.torch collectives on CUDA tensors at np=1 and np=2 (staged on one GPU): 8 dtypes,
+             Sum/Max/Average, in place with prescale, allgather with uneven rows, broadcast from the
+             last rank, async, grouped, alltoall, reducescatter, backward, SyncBatchNorm,
+             broadcast_optimizer_state of Adam state made on the root's device
   optimizer  hvddp.torch.DistributedOptimizer on CUDA tensors, np=1 and np=2: parity with one
              process on the full batch, replicas identical
   bandwidth  fused pack + unpack of many tensors vs one device-to-device copy of the same bytes
@@ -503,6 +507,21 @@ def section_optimizer():
     run_workers(2, "optimizer", "optimizer", extra_env={"HVDDP_GPU_OPERATIONS": "MPI"} if shared else None)
 
 
+@guarded("torch ops")
+def section_torch_ops():
+    try:
+        import torch
+    except ImportError:
+        row("torch ops", "hvddp.torch on CUDA tensors", None, "torch not installed")
+        return
+    if not torch.cuda.is_available() and not FAKE_CUPY:
+        row("torch ops", "hvddp.torch on CUDA tensors", None, "torch has no CUDA (install a CUDA build)")
+        return
+    run_workers(1, "torch_ops", "torch ops")
+    shared = torch.cuda.device_count() < 2
+    run_workers(2, "torch_ops", "torch ops", extra_env={"HVDDP_GPU_OPERATIONS": "MPI"} if shared else None)
+
+
 @guarded("bandwidth")
 def section_bandwidth():
     import cupy
@@ -590,6 +609,9 @@ def worker(mode):
     if mode == "optimizer":
         optimizer_worker(comm, rank, size)
         return
+    if mode == "torch_ops":
+        torch_ops_worker(comm, rank, size)
+        return
     raise SystemExit(f"unknown worker mode {mode!r}")
 
 
@@ -633,6 +655,102 @@ def optimizer_worker(comm, rank, size):
     hvd.shutdown()
 
 
+def torch_ops_worker(comm, rank, size):
+    """hvddp.torch's collectives on CUDA tensors (CPU tensors with the stand-in) against numpy."""
+    import torch
+
+    import hvddp.torch as hvd
+
+    hvd.init()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    failures, checks = [], 0
+
+    def check(what, got, want, exact=True):
+        nonlocal checks
+        checks += 1
+        if got.device != device:
+            failures.append(f"{what}: result on {got.device}, not {device}")
+            return
+        g = got.detach().cpu().float().numpy() if got.dtype == torch.bfloat16 else got.detach().cpu().numpy()
+        w = np.asarray(want, dtype=g.dtype)
+        if g.shape != w.shape or not (np.array_equal(g, w) if exact else np.allclose(g, w, rtol=1e-2, atol=1e-2)):
+            failures.append(f"{what}: got {g.ravel()[:4]} want {w.ravel()[:4]}")
+
+    def make(dtype, fill, shape=(5, 3)):
+        return torch.full(shape, fill, dtype=dtype, device=device)
+
+    ranks = np.arange(size)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64,
+                  torch.uint8, torch.int8):
+        name = str(dtype).split(".")[1]
+        x = make(dtype, rank + 1)
+        check(f"allreduce Sum {name}", hvd.allreduce(x, op=hvd.Sum, name=f"t.sum.{name}"),
+              np.full((5, 3), (ranks + 1).sum()))
+        check(f"allreduce Max {name}", hvd.allreduce(x, op=hvd.Max, name=f"t.max.{name}"), np.full((5, 3), size))
+        if dtype.is_floating_point:
+            check(f"allreduce Average {name}", hvd.allreduce(x, name=f"t.avg.{name}"),
+                  np.full((5, 3), (ranks + 1).mean()))
+            y = make(dtype, 2 * (rank + 1))
+            hvd.allreduce_(y, op=hvd.Sum, prescale_factor=0.5, name=f"t.inplace.{name}")
+            check(f"allreduce_ in place, prescale {name}", y, np.full((5, 3), (ranks + 1).sum()))
+        if x.dtype != torch.bool:
+            rows = rank + 1  # rank-dependent first dimension
+            got = hvd.allgather(make(dtype, rank, (rows, 2)), name=f"t.gather.{name}")
+            check(f"allgather {name}", got, np.concatenate([np.full((r + 1, 2), r) for r in ranks]))
+            got = hvd.broadcast(make(dtype, rank + 7), root_rank=size - 1, name=f"t.bcast.{name}")
+            check(f"broadcast {name}", got, np.full((5, 3), size + 6))
+    # async, grouped, alltoall, reducescatter on float32
+    handles = [hvd.allreduce_async(make(torch.float32, rank + i), op=hvd.Sum, name=f"t.async.{i}")
+               for i in range(4)]
+    for i, h in enumerate(handles):
+        check(f"allreduce_async {i}", hvd.synchronize(h), np.full((5, 3), (ranks + i).sum()))
+    outs = hvd.grouped_allreduce([make(torch.float32, rank), make(torch.float16, 1, (7,))], op=hvd.Sum,
+                                 name="t.grouped")
+    check("grouped_allreduce float32", outs[0], np.full((5, 3), ranks.sum()))
+    check("grouped_allreduce float16", outs[1], np.full((7,), size))
+    send = torch.arange(2 * size, dtype=torch.float32, device=device) + 100 * rank
+    got = hvd.alltoall(send, name="t.alltoall")
+    check("alltoall", got, np.concatenate([np.arange(2 * rank, 2 * rank + 2) + 100 * r for r in ranks]))
+    got = hvd.reducescatter(make(torch.float32, rank + 1, (2 * size, 3)), op=hvd.Sum, name="t.scatter")
+    check("reducescatter", got, np.full((2, 3), (ranks + 1).sum()))
+    # gradients flow back through a differentiable allreduce on the device
+    w = make(torch.float32, rank + 1).requires_grad_()
+    hvd.allreduce(w * 2, op=hvd.Sum, name="t.grad").sum().backward()
+    check("allreduce backward", w.grad, np.full((5, 3), 2.0 * size))
+    # SyncBatchNorm on the device equals BatchNorm1d over every rank's rows
+    torch.manual_seed(0)
+    data = torch.randn(4 * size, 6, generator=torch.Generator().manual_seed(3)) * 5 + 2
+    sbn = hvd.SyncBatchNorm(6).to(device)
+    bn = torch.nn.BatchNorm1d(6).to(device)
+    out = sbn(data[4 * rank:4 * rank + 4].to(device))
+    want = bn(data.to(device))[4 * rank:4 * rank + 4]
+    check("SyncBatchNorm forward", out, want.detach().cpu().numpy(), exact=False)
+    check("SyncBatchNorm running mean", sbn.running_mean, bn.running_mean.cpu().numpy(), exact=False)
+    # optimizer state made on the root's device reaches the others on theirs (Adam's step stays on the CPU)
+    model = torch.nn.Linear(4, 3).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    if rank == 0:
+        model(torch.ones(2, 4, device=device)).sum().backward()
+        opt.step()
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    state = opt.state[model.weight]
+    checks += 1
+    if set(state) != {"step", "exp_avg", "exp_avg_sq"} or state["exp_avg"].device != device:
+        failures.append(f"broadcast_optimizer_state: state {sorted(state)} on "
+                        f"{state['exp_avg'].device if 'exp_avg' in state else None}")
+    else:
+        moments = hvd.allgather(state["exp_avg"].reshape(1, -1), name="t.adam")
+        check("broadcast_optimizer_state: Adam moments equal the root's", moments,
+              np.repeat(moments[:1].cpu().numpy(), size, axis=0))
+    failures = sum(comm.allgather(failures), [])
+    if rank == 0:
+        path = os.environ.get("HVDDP_GPU_OPERATIONS", "NCCL") if cuda else "CPU stand-in"
+        emit(f"hvddp.torch collectives on {device.type} tensors np={size} ({path}): {checks} checks, "
+             f"8 dtypes, async, grouped, in place, backward, SyncBatchNorm, optimizer state", not failures, "; ".join(failures[:5]))
+    hvd.shutdown()
+
+
 def use_fake_cupy():
     if FAKE_CUPY:
         sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -660,7 +778,8 @@ def main():
     else:
         # sections that launch mpiexec run before this process initializes MPI itself
         sections = (section_env, section_kernels, section_staging, section_optimizer,
-                    section_nccl_two, section_nccl_single, section_public_api, section_bandwidth)
+                    section_torch_ops, section_nccl_two, section_nccl_single, section_public_api,
+                    section_bandwidth)
         names = {fn.__name__[len("section_"):] for fn in sections}
         only = set(filter(None, args.only.split(",")))
         if only - names:
