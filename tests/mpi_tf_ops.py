@@ -451,3 +451,54 @@ def test_horovod_positional_order_and_reducescatter_compression():
     np.testing.assert_array_equal(gathered.numpy(), np.arange(SIZE, dtype=np.float32))
     bcast = hvd.broadcast(tf.constant([float(RANK)]), 0, "t.bc.pos", True)
     np.testing.assert_array_equal(bcast.numpy(), [0.0])
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_partial_tape_keeps_the_local_layers_gradients(mode):
+    """Horovod's PartialDistributedGradientTape: the local layer's gradients stay this rank's own
+    (divided by the size unless scale_local_gradients=False); the others are averaged."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="shared"),
+                              keras.layers.Dense(2, name="local")])
+    x = tf.constant(np.arange(6, dtype="float32").reshape(2, 3) * (RANK + 1))
+
+    def grads(wrap, **kwargs):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x) ** 2)
+        if wrap is not None:
+            tape = wrap(tape, **kwargs)
+        return tape.gradient(loss, model.trainable_variables)
+
+    def run(*args, **kwargs):
+        return [g.numpy() for g in (tf.function(grads)(*args, **kwargs) if mode == "function"
+                                    else grads(*args, **kwargs))]
+
+    own = run(None)
+    every = [hvd.allgather(tf.constant(g[None]), name=f"test.partial.{mode}.{i}").numpy()
+             for i, g in enumerate(own)]
+    mean = [e.mean(axis=0) for e in every]
+    partial = run(hvd.PartialDistributedGradientTape, local_layers=model.get_layer("local"))
+    unscaled = run(hvd.PartialDistributedGradientTape, local_layers=[model.get_layer("local")],
+                   scale_local_gradients=False)
+    local = {id(w) for w in model.get_layer("local").trainable_weights}
+    for i, v in enumerate(model.trainable_variables):
+        path = v.path
+        if id(v) in local:
+            np.testing.assert_allclose(partial[i], own[i] / SIZE, rtol=1e-6, err_msg=path)
+            np.testing.assert_allclose(unscaled[i], own[i], rtol=1e-6, err_msg=path)
+        else:
+            np.testing.assert_allclose(partial[i], mean[i], rtol=1e-5, err_msg=path)
+            np.testing.assert_allclose(unscaled[i], mean[i], rtol=1e-5, err_msg=path)
+    if SIZE > 1:  # the inputs differ by rank, so a reduced local gradient would be caught
+        assert not np.allclose(every[-1][0], every[-1][1])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model(x) ** 2)
+    tape = hvd.DistributedGradientTape(tape, scale_local_gradients=False)
+    tape.register_local_source(model.trainable_variables[0])
+    g = tape.gradient(loss, model.trainable_variables)
+    np.testing.assert_allclose(g[0].numpy(), own[0], rtol=1e-6)
+    np.testing.assert_allclose(g[1].numpy(), mean[1], rtol=1e-5)
+    with pytest.raises(ValueError, match="local_layers must be Keras layers; Received: str"):
+        hvd.PartialDistributedGradientTape(tf.GradientTape(), local_layers=["local"])

@@ -13,7 +13,7 @@ from hvddp import Compression, ProcessSet, global_process_set
 from hvddp import _grouping
 from .ops import drop_absent, reduce_gradients
 
-__all__ = ["DistributedGradientTape", "source_label"]
+__all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "source_label"]
 
 
 def source_label(source: Any, index: int) -> str:
@@ -45,6 +45,10 @@ class _DistributedGradientTapeMixin:
         gradient that is ``None`` on some ranks only raises on every rank. Sparse gradients
         (``tf.IndexedSlices``) are reduced as dense ones.
 
+        Gradients of sources registered with ``register_local_source`` are not reduced: they
+        come back as this rank's own, divided by the process set's size when the tape was made
+        with ``scale_local_gradients=True`` (Horovod's default).
+
         Raises:
             hvddp.MismatchError: ranks pass different sources (names the first difference).
         """
@@ -52,22 +56,49 @@ class _DistributedGradientTapeMixin:
                                  unconnected_gradients=unconnected_gradients)
         flat_sources = tf.nest.flatten(sources)
         flat_grads = tf.nest.flatten(grads, expand_composites=False)
-        if hvddp.size() == 1 and self._hvddp["process_set"] is global_process_set \
-                and self._hvddp["compression"] is Compression.none:
-            return grads
-        if not self._hvddp["process_set"].included():  # outside the set: its own gradients, as in Horovod
-            return grads
-        labels = [source_label(s, i) for i, s in enumerate(flat_sources)]
         settings = self._hvddp
+        ps = settings["process_set"]
+        if not ps.included():  # outside the set: its own gradients, as in Horovod
+            return grads
+        local = [_is_local(s, settings["local"]) for s in flat_sources]
+        if hvddp.size() == 1 and ps is global_process_set and settings["compression"] is Compression.none:
+            return grads
+        shared = [i for i, is_local in enumerate(local) if not is_local]
+        labels = [source_label(flat_sources[i], i) for i in shared]
         # which ranks have each gradient, as one more member of the group: 1 per gradient, then a 1
-        present = [g is not None for g in flat_grads]
+        present = [flat_grads[i] is not None for i in shared]
         flags = tf.constant(np.array(present + [True], dtype=np.float32))
-        reduced: List[Any] = reduce_gradients(flat_grads + [flags], flat_sources + [flags],
+        reduced: List[Any] = reduce_gradients([flat_grads[i] for i in shared] + [flags],
+                                              [flat_sources[i] for i in shared] + [flags],
                                               labels + ["(which gradients exist)"], "tf.grads", settings["op"],
                                               settings["gradient_predivide_factor"], settings["compression"],
-                                              settings["process_set"])
+                                              ps)
         reduced = drop_absent(reduced[:-1], reduced[-1], present, "hvddp.tensorflow.DistributedGradientTape")
-        return tf.nest.pack_sequence_as(sources, reduced)
+        out = list(flat_grads)
+        for i, g in zip(shared, reduced):
+            out[i] = g
+        if settings["scale_local_gradients"]:
+            for i in (i for i, is_local in enumerate(local) if is_local and out[i] is not None):
+                out[i] = _divided(out[i], ps.size())
+        return tf.nest.pack_sequence_as(sources, out)
+
+    def register_local_source(self, source) -> None:
+        """Keep ``source``'s gradient on this rank: ``gradient()`` does not reduce it (Horovod's)."""
+        self._hvddp["local"].add(_ref(source))
+
+
+def _ref(source: Any) -> Any:
+    return source.ref() if hasattr(source, "ref") else id(source)
+
+
+def _is_local(source: Any, local: set) -> bool:
+    return bool(local) and _ref(source) in local
+
+
+def _divided(grad: Any, size: int) -> Any:
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values / size, grad.indices, grad.dense_shape)
+    return grad / size
 
 
 _classes = {}
@@ -77,7 +108,8 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
                             compression: Any = Compression.none, sparse_as_dense: bool = False,
                             op: Any = hvddp.Average, gradient_predivide_factor: float = 1.0,
                             num_groups: int = 0, groups: Any = None,
-                            process_set: ProcessSet = global_process_set) -> tf.GradientTape:
+                            process_set: ProcessSet = global_process_set,
+                            scale_local_gradients: bool = True) -> tf.GradientTape:
     """Wrap ``gradtape`` so that ``gradient()`` averages the gradients across ranks.
 
     The result is a ``tf.GradientTape`` (of a subclass of the tape's class) sharing the tape's
@@ -93,6 +125,9 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
         gradient_predivide_factor: divide by this before the sum and by ``size / factor`` after
             (Average only).
         process_set: the ranks that average.
+        scale_local_gradients: divide the gradients of sources registered with
+            ``tape.register_local_source(variable)`` (kept local, not reduced) by the process
+            set's size, as Horovod does.
 
     Example:
         with tf.GradientTape() as tape:
@@ -118,5 +153,41 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
     tape = object.__new__(cls)
     tape.__dict__.update(gradtape.__dict__)
     tape._hvddp = {"op": op, "gradient_predivide_factor": factor, "compression": compression,
-                   "process_set": process_set}
+                   "process_set": process_set, "local": set(),
+                   "scale_local_gradients": bool(scale_local_gradients)}
+    return tape
+
+
+def PartialDistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",
+                                   device_sparse: str = "", compression: Any = Compression.none,
+                                   sparse_as_dense: bool = False, op: Any = hvddp.Average,
+                                   gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                                   groups: Any = None, process_set: ProcessSet = global_process_set,
+                                   local_layers: Any = None,
+                                   scale_local_gradients: bool = True) -> tf.GradientTape:
+    """``DistributedGradientTape`` that keeps the gradients of ``local_layers`` on each rank.
+
+    ``local_layers`` is a Keras layer or a list of them; their trainable weights are registered
+    with ``register_local_source``, so their gradients are not reduced (and are divided by the
+    process set's size when ``scale_local_gradients``, as in Horovod). The other arguments are
+    ``DistributedGradientTape``'s.
+    """
+    import keras
+
+    if local_layers is None:
+        local_layers = []
+    elif isinstance(local_layers, keras.layers.Layer):
+        local_layers = [local_layers]
+    else:
+        local_layers = list(local_layers)
+        bad = [type(layer).__name__ for layer in local_layers if not isinstance(layer, keras.layers.Layer)]
+        if bad:
+            raise ValueError(f"PartialDistributedGradientTape: local_layers must be Keras layers; "
+                             f"Received: {', '.join(bad)}.")
+    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
+                                   gradient_predivide_factor, num_groups, groups, process_set,
+                                   scale_local_gradients)
+    for layer in local_layers:
+        for weight in layer.trainable_weights:
+            tape.register_local_source(weight)
     return tape
