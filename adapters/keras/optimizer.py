@@ -30,7 +30,8 @@ _classes: Dict[type, type] = {}
 
 def _default_settings() -> Dict[str, Any]:
     return {"op": hvddp.Average, "gradient_predivide_factor": 1.0, "compression": Compression.none,
-            "process_set": global_process_set, "postscale": 1.0, "passthrough": False, "in_stateless": False}
+            "process_set": global_process_set, "postscale": 1.0, "passthrough": False, "in_stateless": False,
+            "local": set(), "scale_local_gradients": True}
 
 
 class _DistributedOptimizerMixin:
@@ -56,6 +57,21 @@ class _DistributedOptimizerMixin:
         if len(grads) != len(variables):
             raise ValueError(f"{type(self).__name__}: got {len(grads)} gradients for {len(variables)} "
                              f"variables; pass one gradient per trainable variable.")
+        if settings["local"]:  # registered local variables keep this rank's gradient
+            local = [id(v) in settings["local"] for v in variables]
+            shared = [i for i, is_local in enumerate(local) if not is_local]
+            out = list(grads)
+            reduced = self._hvddp_reduce([grads[i] for i in shared], [variables[i] for i in shared], settings)
+            for i, g in zip(shared, reduced):
+                out[i] = g
+            factor = settings["postscale"] / (ps.size() if settings["scale_local_gradients"] else 1)
+            for i in (i for i, is_local in enumerate(local) if is_local):
+                out[i] = _scaled(out[i], factor)
+            return out
+        return self._hvddp_reduce(grads, variables, settings)
+
+    def _hvddp_reduce(self, grads: List[Any], variables: List[Any], settings: Dict[str, Any]) -> List[Any]:
+        ps = settings["process_set"]
         present = [g is not None for g in grads]
         grads = [keras.ops.zeros(v.shape, dtype=v.dtype) if g is None else g
                  for g, v in zip(grads, variables)]
@@ -69,6 +85,11 @@ class _DistributedOptimizerMixin:
                                             settings["gradient_predivide_factor"], settings["postscale"],
                                             settings["compression"], ps)
         return _drop_absent(reduced[:-1], reduced[-1], present) if flagged else reduced
+
+    def register_local_var(self, var) -> None:
+        """Keep ``var``'s gradient on this rank: it is not reduced (Horovod's). It is divided by
+        the process set's size when the optimizer was made with ``scale_local_gradients=True``."""
+        self._hvddp_settings()["local"].add(id(var))
 
     def apply(self, grads, trainable_variables=None):
         """Average ``grads`` across ranks, then apply them with the wrapped optimizer's rule.
@@ -107,7 +128,7 @@ class _DistributedOptimizerMixin:
 def _scaled(grad: Any, factor: float) -> Any:
     if grad is None or factor == 1.0:
         return grad
-    if hasattr(grad, "indices") and hasattr(grad, "values"):  # tf.IndexedSlices
+    if type(grad).__name__ == "IndexedSlices":  # tf's (torch tensors also have .indices/.values)
         return type(grad)(grad.values * factor, grad.indices, grad.dense_shape)
     return grad * factor
 
@@ -225,7 +246,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
                          sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
                          op: Any = hvddp.Average, backward_passes_per_step: int = 1,
                          average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = None,
-                         process_set: ProcessSet = global_process_set) -> keras.optimizers.Optimizer:
+                         process_set: ProcessSet = global_process_set,
+                         scale_local_gradients: bool = True) -> keras.optimizers.Optimizer:
     """Return a copy of ``optimizer`` that averages gradients across ranks before each update.
 
     Works with ``model.fit`` (and ``apply``/``apply_gradients`` in custom loops) on the
@@ -255,6 +277,9 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
         average_aggregated_gradients: with ``backward_passes_per_step > 1``, average the
             accumulated gradients over the passes instead of summing them (Horovod's default).
         process_set: the ranks that average.
+        scale_local_gradients: divide the gradients of variables registered with
+            ``optimizer.register_local_var(var)`` (kept on each rank, not reduced) by the
+            process set's size, as Horovod does.
 
     Raises:
         TypeError, ValueError: a bad argument (named in the message).
@@ -283,6 +308,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
         target["gradient_accumulation_steps"] = backward_passes_per_step
     settings = _settings(op, gradient_predivide_factor, compression, process_set,
                          _passes_postscale(config, average_aggregated_gradients))
+    settings["scale_local_gradients"] = bool(scale_local_gradients)
     if name is not None:
         config["name"] = name
     cls = _distributed_class(type(optimizer))
