@@ -491,35 +491,30 @@ def section_public_api():
         hvddp.shutdown()
 
 
-@guarded("optimizer")
-def section_optimizer():
+def run_torch_workers(section, mode, check, on_stand_in):
+    """``mode`` at np=1, then at np=2, staged through MPI when the two ranks share one GPU (they
+    cannot both join an NCCL communicator there)."""
     try:
         import torch
     except ImportError:
-        row("optimizer", "DistributedOptimizer on CUDA", None, "torch not installed")
+        row(section, check, None, "torch not installed")
         return
-    if not torch.cuda.is_available():
-        row("optimizer", "DistributedOptimizer on CUDA", None, "torch has no CUDA (install a CUDA build)")
+    if not torch.cuda.is_available() and not (on_stand_in and FAKE_CUPY):
+        row(section, check, None, "torch has no CUDA (install a CUDA build)")
         return
-    run_workers(1, "optimizer", "optimizer")
-    # two ranks sharing one GPU cannot both join an NCCL communicator: stage through MPI there
+    run_workers(1, mode, section)
     shared = torch.cuda.device_count() < 2
-    run_workers(2, "optimizer", "optimizer", extra_env={"HVDDP_GPU_OPERATIONS": "MPI"} if shared else None)
+    run_workers(2, mode, section, extra_env={"HVDDP_GPU_OPERATIONS": "MPI"} if shared else None)
+
+
+@guarded("optimizer")
+def section_optimizer():
+    run_torch_workers("optimizer", "optimizer", "DistributedOptimizer on CUDA", on_stand_in=False)
 
 
 @guarded("torch ops")
 def section_torch_ops():
-    try:
-        import torch
-    except ImportError:
-        row("torch ops", "hvddp.torch on CUDA tensors", None, "torch not installed")
-        return
-    if not torch.cuda.is_available() and not FAKE_CUPY:
-        row("torch ops", "hvddp.torch on CUDA tensors", None, "torch has no CUDA (install a CUDA build)")
-        return
-    run_workers(1, "torch_ops", "torch ops")
-    shared = torch.cuda.device_count() < 2
-    run_workers(2, "torch_ops", "torch ops", extra_env={"HVDDP_GPU_OPERATIONS": "MPI"} if shared else None)
+    run_torch_workers("torch ops", "torch_ops", "hvddp.torch on CUDA tensors", on_stand_in=True)
 
 
 @guarded("bandwidth")
