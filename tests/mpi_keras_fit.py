@@ -558,3 +558,23 @@ def test_rank_outside_the_process_set_sums_accumulated_passes():
         np.testing.assert_allclose(ops.convert_to_numpy(u), [-2.0, -2.0 * RANK])
     finally:
         hvd.remove_process_set(members)
+
+
+def test_broadcast_callback_leaves_local_variables_alone():
+    """Horovod's local_variables: the last layer keeps each rank's own initial values, the rest
+    become rank 0's."""
+    model = make_model(seed=RANK, unused=False)
+    before = [ops.convert_to_numpy(w) for w in model.layers[-1].weights]
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.0)),
+                  loss="sparse_categorical_crossentropy")
+    x, y = global_data()
+    callback = hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=model.layers[-1].weights)
+    model.fit(shard(x), shard(y), batch_size=GLOBAL_BATCH // SIZE, epochs=1, verbose=0, callbacks=[callback])
+    assert_replicas_identical(model.layers[0].get_weights(), "bcast.shared")
+    for got, mine in zip(model.layers[-1].get_weights(), before):
+        np.testing.assert_array_equal(got, mine)  # lr 0: nothing else changed them
+    if SIZE > 1:
+        every = ops.convert_to_numpy(hvd.allgather(before[0][None], name="test.bcast.local"))
+        assert not np.array_equal(every[0], every[1])  # the seeds differ, so a broadcast would show
+    with pytest.raises(ValueError, match="local variables must be variables; Received: str"):
+        hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=["kernel"])

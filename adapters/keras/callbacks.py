@@ -37,14 +37,35 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     Args:
         root_rank: the rank whose values win.
         device: accepted for Horovod compatibility; ignored.
-        process_set: the ranks taking part.
+        local_variables: a variable or a list of them that keep each rank's own values (not
+            broadcast; see also ``register_local_var``). The optimizer's variables are all
+            broadcast, as in Horovod.
+        process_set: the ranks taking part (also accepted at ``local_variables``' position,
+            where earlier hvddp versions had it).
     """
 
-    def __init__(self, root_rank: int = 0, device: str = "", process_set: ProcessSet = global_process_set):
+    def __init__(self, root_rank: int = 0, device: str = "", local_variables: Any = None,
+                 process_set: ProcessSet = global_process_set):
         super().__init__()
+        if isinstance(local_variables, ProcessSet):  # hvddp's earlier positional order
+            process_set, local_variables = local_variables, None
         self.root_rank = root_rank
         self.process_set = process_set
         self.broadcast_done = False
+        self._local = set()
+        if local_variables is None:
+            local_variables = []
+        elif not isinstance(local_variables, (list, tuple, set)):
+            local_variables = [local_variables]
+        for var in local_variables:
+            self.register_local_var(var)
+
+    def register_local_var(self, var: Any) -> None:
+        """Leave ``var`` out of the broadcast: each rank keeps its own value (Horovod's)."""
+        if not (isinstance(var, keras.Variable) or hasattr(var, "assign")):
+            raise ValueError(f"BroadcastGlobalVariablesCallback: local variables must be variables; "
+                             f"Received: {type(var).__name__}.")
+        self._local.add(id(var))
 
     def on_train_begin(self, logs=None):
         if self.broadcast_done:
@@ -53,7 +74,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         # Random-number generator states stay per rank (dropout masks differ between replicas).
         layers = getattr(self.model, "_flatten_layers", lambda: [])()
         seeds = {id(g.state) for layer in layers for g in getattr(layer, "_seed_generators", ())}
-        variables = [v for v in self.model.variables if id(v) not in seeds]
+        variables = [v for v in self.model.variables if id(v) not in seeds and id(v) not in self._local]
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None:
             if not optimizer.built:
