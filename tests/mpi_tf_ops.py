@@ -502,3 +502,16 @@ def test_partial_tape_keeps_the_local_layers_gradients(mode):
     np.testing.assert_allclose(g[1].numpy(), mean[1], rtol=1e-5)
     with pytest.raises(ValueError, match="local_layers must be Keras layers; Received: str"):
         hvd.PartialDistributedGradientTape(tf.GradientTape(), local_layers=["local"])
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_inplace_broadcast_of_variables(mode):
+    """Horovod's hvd.broadcast_(variables, root_rank): assigned in place, new values returned."""
+    v = tf.Variable(np.full(3, float(RANK), "float32"))
+    w = tf.Variable(np.full((2, 2), RANK, "int32"))
+    fn = hvd.broadcast_ if mode == "eager" else tf.function(lambda vs: hvd.broadcast_(vs, SIZE - 1))
+    out = fn([v, w], SIZE - 1) if mode == "eager" else fn([v, w])
+    np.testing.assert_array_equal(v.numpy(), np.full(3, SIZE - 1.0))
+    np.testing.assert_array_equal(w.numpy(), np.full((2, 2), SIZE - 1))
+    np.testing.assert_array_equal(out[0].numpy(), v.numpy())
+    np.testing.assert_array_equal(out[1].numpy(), w.numpy())

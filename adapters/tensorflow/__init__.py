@@ -31,8 +31,8 @@ from hvddp import (Adasum, Average, BackendUnavailableError, Compression, HvddpE
                    mpi_threads_supported, nccl_built, rank, remove_process_set, rocm_built, shutdown, size,
                    start_timeline, stop_timeline)
 
-from .functions import (DistributedOptimizer, broadcast_global_variables, broadcast_variables, local_rank_op,
-                        local_size_op, process_set_included_op, rank_op, size_op)
+from .functions import (DistributedOptimizer, broadcast_, broadcast_global_variables, broadcast_variables,
+                        local_rank_op, local_size_op, process_set_included_op, rank_op, size_op)
 from .gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
 from .sync_batch_norm import SyncBatchNormalization
 from .ops import (allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
@@ -47,7 +47,8 @@ __all__ = [
     "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "alltoall", "reducescatter",
     "grouped_reducescatter", "size_op", "rank_op", "local_size_op", "local_rank_op", "process_set_included_op",
     "barrier", "join", "broadcast_object", "allgather_object",
-    "DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer", "SyncBatchNormalization", "broadcast_variables", "broadcast_global_variables",
+    "DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer", "SyncBatchNormalization",
+    "broadcast_", "broadcast_variables", "broadcast_global_variables",
     "HvddpError", "NotInitializedError", "BackendUnavailableError", "MismatchError", "ShutdownError",
     "StallError", "LauncherMismatchError", "start_timeline", "stop_timeline",
 ]

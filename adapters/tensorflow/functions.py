@@ -14,8 +14,8 @@ from hvddp import Compression, ProcessSet, _grouping, global_process_set
 from .gradient_tape import source_label
 from .ops import _check_root, _check_xla
 
-__all__ = ["broadcast_variables", "broadcast_global_variables", "DistributedOptimizer", "size_op", "rank_op",
-           "local_size_op", "local_rank_op", "process_set_included_op"]
+__all__ = ["broadcast_", "broadcast_variables", "broadcast_global_variables", "DistributedOptimizer", "size_op",
+           "rank_op", "local_size_op", "local_rank_op", "process_set_included_op"]
 
 
 def broadcast_variables(variables: Iterable[Any], root_rank: int,
@@ -61,6 +61,20 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int,
         out.set_shape(t.shape)
         assigns.append(v.assign(out))
     return tf.group(*assigns)
+
+
+def broadcast_(variables: Iterable[Any], root_rank: int, name: Optional[str] = None,
+               process_set: ProcessSet = global_process_set) -> List[tf.Tensor]:
+    """Horovod's in-place broadcast: assign ``root_rank``'s values to ``variables`` (as
+    ``broadcast_variables`` does, eagerly or in a ``tf.function``) and return the new values.
+    ``name`` is accepted for Horovod compatibility."""
+    variables = list(variables)
+    op = broadcast_variables(variables, root_rank, process_set)
+    if op is None:
+        return [tf.convert_to_tensor(v) for v in variables]
+    with tf.control_dependencies([op]):
+        return [tf.identity(v.read_value() if hasattr(v, "read_value") else tf.convert_to_tensor(v))
+                for v in variables]
 
 
 def _broadcast_values(values: List[np.ndarray], labels: List[str], root_rank: int,
