@@ -198,6 +198,9 @@ def test_sparse_allreduce():
         expected[r % 5] += (r + 1.0) / N
     expected[4] += 1.0
     assert torch.allclose(out.to_dense(), expected)
+    # Horovod's form: the handle is a function that returns the result
+    call = hvd.sparse_allreduce_async(dense.to_sparse(), name="sparse.called", op=hvd.Average)
+    assert torch.allclose(call().to_dense(), expected)
 
 
 def test_objects_barrier_join():

@@ -150,3 +150,7 @@ class Handle:
             self._handles = []
             self._finish = None
         return self._result
+
+    def __call__(self) -> Any:
+        """``wait()``: Horovod's ``sparse_allreduce_async`` returns a function to call for the result."""
+        return self.wait()
