@@ -526,9 +526,12 @@ def test_registered_local_variables_keep_this_ranks_gradients(scale):
     own.fit(xs, ys, batch_size=len(xs), shuffle=False, verbose=0)
     own_step = [b - a for a, b in zip(own.get_weights(), start)]
     model = make_model(unused=False)
-    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.5), scale_local_gradients=scale)
-    for v in model.layers[-1].trainable_weights:
-        opt.register_local_var(v)
+    if scale:  # Horovod's two spellings: a list of layers, or variables one by one
+        opt = hvd.PartialDistributedOptimizer(keras.optimizers.SGD(0.5), local_layers=model.layers[-1])
+    else:
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.5), scale_local_gradients=False)
+        for v in model.layers[-1].trainable_weights:
+            opt.register_local_var(v)
     model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
     model.fit(xs, ys, batch_size=len(xs), shuffle=False, verbose=0)
     step = [b - a for a, b in zip(model.get_weights(), start)]
@@ -578,3 +581,43 @@ def test_broadcast_callback_leaves_local_variables_alone():
         assert not np.array_equal(every[0], every[1])  # the seeds differ, so a broadcast would show
     with pytest.raises(ValueError, match="local variables must be variables; Received: str"):
         hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=["kernel"])
+
+
+def test_local_gradient_overflow_on_one_rank_skips_the_step_everywhere():
+    """Under mixed_float16 the loss-scale finite check must agree across ranks, also when only
+    one rank's local (unreduced) gradient overflows: every rank skips and halves its scale."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        keras.utils.set_random_seed(0)
+        a, b = keras.Input((3,), name="a"), keras.Input((3,), name="b")
+        out = layers.Add()([layers.Dense(2, name="local")(a), layers.Dense(2, name="shared")(b)])
+        model = keras.Model([a, b], layers.Activation("softmax", dtype="float32")(out))
+        opt = hvd.PartialDistributedOptimizer(keras.optimizers.SGD(0.01), local_layers=model.get_layer("local"))
+        model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+        xa = np.full((4, 3), 1000.0 if RANK == SIZE - 1 else 0.1, "float32")  # overflows float16 there
+        xb = np.full((4, 3), 0.1, "float32")
+        y = np.array([0, 1, 0, 1], "int32")
+        start = model.get_layer("shared").get_weights()[0].copy()
+        model.fit([xa, xb], y, batch_size=4, shuffle=False, verbose=0)
+        shared = model.get_layer("shared").get_weights()[0]
+        scale = float(ops.convert_to_numpy(model.optimizer.dynamic_scale))
+        assert_replicas_identical([shared, np.array([scale])], "local.overflow")
+        if BACKEND == "tensorflow" and SIZE > 1:  # where the overflow was seen: skipped everywhere
+            assert scale == 16384.0 and np.array_equal(shared, start), (scale, shared - start)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_outside_the_set_local_gradients_are_divided_too():
+    """Horovod divides the local gradients by the set's size on every rank, members or not."""
+    if SIZE < 3:
+        pytest.skip("needs a rank outside a set of two")
+    members = hvd.add_process_set([0, 1])
+    try:
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), process_set=members)
+        v = keras.Variable(np.zeros(2, "float32"))
+        opt.register_local_var(v)
+        opt.apply_gradients([(ops.convert_to_tensor(np.ones(2, "float32")), v)])
+        np.testing.assert_allclose(ops.convert_to_numpy(v), [-0.5, -0.5])
+    finally:
+        hvd.remove_process_set(members)

@@ -515,3 +515,30 @@ def test_inplace_broadcast_of_variables(mode):
     np.testing.assert_array_equal(w.numpy(), np.full((2, 2), SIZE - 1))
     np.testing.assert_array_equal(out[0].numpy(), v.numpy())
     np.testing.assert_array_equal(out[1].numpy(), w.numpy())
+
+
+def test_local_sources_split_and_outside_the_set():
+    """Horovod's get_local_and_global_gradients; local gradients divided by the set's size on
+    every rank, members or not; scale_local_gradients accepted by the TF DistributedOptimizer."""
+    import keras
+
+    v, w = tf.Variable([1.0, 2.0]), tf.Variable([3.0])
+    with tf.GradientTape() as tape:
+        loss = (tf.reduce_sum(v) + tf.reduce_sum(w)) * (RANK + 1)
+    tape = hvd.DistributedGradientTape(tape)
+    tape.register_local_source(v)
+    local, shared = tape.get_local_and_global_gradients(loss, [v, w])
+    assert [s is v for s, _ in local] == [True] and [s is w for s, _ in shared] == [True]
+    np.testing.assert_allclose(local[0][1].numpy(), [(RANK + 1) / SIZE] * 2)
+    np.testing.assert_allclose(shared[0][1].numpy(), [np.mean(np.arange(SIZE) + 1)])
+    if SIZE >= 3:  # a rank outside a set of two
+        members = hvd.add_process_set([0, 1])
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(v) * (RANK + 1)
+        tape = hvd.DistributedGradientTape(tape, process_set=members)
+        tape.register_local_source(v)
+        (g,) = tape.gradient(loss, [v])
+        np.testing.assert_allclose(g.numpy(), [(RANK + 1) / 2] * 2)
+        hvd.remove_process_set(members)
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), scale_local_gradients=False)
+    assert hvd.is_initialized() and opt is not None

@@ -588,3 +588,15 @@ def test_one_core_defers_every_cpu_gradient_to_synchronize():
         shard_loss(model, *batch(0), R).backward()
         assert len(opt._hvddp_flights) == len(list(model.parameters()))  # out during backward
         opt.step()
+
+
+def test_broadcast_optimizer_state_with_different_groups_raises_on_every_rank():
+    """The root compares too: before, only the other ranks raised, and the root's broadcasts waited."""
+    if N == 1:
+        pytest.skip("needs two ranks")
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    groups = [{"params": a.parameters()}, {"params": b.parameters()}] if R == N - 1 else [
+        {"params": list(a.parameters()) + list(b.parameters())}]
+    opt = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match=f"rank {N - 1} has \\[2, 2\\]"):
+        hvd.broadcast_optimizer_state(opt, root_rank=0)

@@ -86,7 +86,7 @@ def test_example_pytorch_digits(tmp_path):
 
 def test_synthetic_benchmark_example_runs():
     result = run(2, ["examples/pytorch_synthetic_benchmark.py", "--model", "convnet", "--num-iters", "2",
-                     "--num-batches-per-iter", "2", "--num-warmup-batches", "1", "--batch-size", "8"],
+                     "--num-batches-per-iter", "2", "--num-warmup-batches", "1", "--batch-size", "8", "--no-cuda"],
                  timeout=180)
     assert re.search(r"Total img/sec on 2 CPU\(s\): [0-9.]+", result.stdout), result.stdout
 
@@ -95,7 +95,7 @@ def test_gpu_training_benchmark_script_runs_on_the_cpu():
     """benchmarks/train_gpu.py (measured on a GPU) keeps working: on the CPU it checks the script,
     and at one rank hvddp and DDP must land on plain PyTorch's parameters exactly."""
     out = _python([os.path.join(ROOT, "benchmarks", "train_gpu.py"), "--models", "convnet", "--steps", "2",
-                   "--rounds", "2", "--warmup", "1", "--batch-size", "8"]).stdout
+                   "--rounds", "2", "--warmup", "1", "--batch-size", "8", "--cpu"]).stdout
     rows = re.findall(r"\| convnet \([^|]*\) \| (torch|DDP|hvddp) \| ([0-9.]+) \|[^\n]*\| ([^|]*) \|\n", out)
     assert [r[0] for r in rows] == ["torch", "DDP", "hvddp"], out
     assert all(float(r[1]) > 0 for r in rows), out

@@ -41,7 +41,7 @@ from .callbacks import (BroadcastGlobalVariablesCallback, LearningRateScheduleCa
 from .checkpoint import CheckpointCallback, load_checkpoint, save_checkpoint
 from .functions import (allgather, allreduce, broadcast, broadcast_global_variables, broadcast_variables,
                         reducescatter)
-from .optimizer import DistributedOptimizer, is_distributed, load_model
+from .optimizer import DistributedOptimizer, PartialDistributedOptimizer, is_distributed, load_model
 
 _install_auto_jit_guard()
 
@@ -51,11 +51,11 @@ __all__ = [
     "cuda_built", "gloo_built", "gloo_enabled", "ccl_built", "ddl_built", "rocm_built",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression",
-    "DistributedOptimizer", "is_distributed", "load_model", "callbacks", "BroadcastGlobalVariablesCallback",
-    "MetricAverageCallback", "LearningRateScheduleCallback", "LearningRateWarmupCallback",
-    "allreduce", "allgather", "reducescatter", "broadcast", "broadcast_variables", "broadcast_global_variables", "barrier",
-    "join", "broadcast_object", "allgather_object",
+    "DistributedOptimizer", "PartialDistributedOptimizer", "is_distributed", "load_model", "callbacks",
+    "BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
+    "LearningRateWarmupCallback", "allreduce", "allgather", "reducescatter", "broadcast", "broadcast_variables",
+    "broadcast_global_variables", "barrier", "join", "broadcast_object", "allgather_object",
     "HvddpError", "NotInitializedError", "BackendUnavailableError", "MismatchError", "ShutdownError",
-    "StallError", "LauncherMismatchError", "start_timeline", "stop_timeline", "checkpoint", "CheckpointCallback", "save_checkpoint",
-    "load_checkpoint",
+    "StallError", "LauncherMismatchError", "start_timeline", "stop_timeline", "checkpoint", "CheckpointCallback",
+    "save_checkpoint", "load_checkpoint",
 ]

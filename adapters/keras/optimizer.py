@@ -22,7 +22,7 @@ from hvddp import _grouping
 
 from . import _backend
 
-__all__ = ["DistributedOptimizer", "load_model", "is_distributed"]
+__all__ = ["DistributedOptimizer", "PartialDistributedOptimizer", "load_model", "is_distributed"]
 
 _LossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 _classes: Dict[type, type] = {}
@@ -31,7 +31,7 @@ _classes: Dict[type, type] = {}
 def _default_settings() -> Dict[str, Any]:
     return {"op": hvddp.Average, "gradient_predivide_factor": 1.0, "compression": Compression.none,
             "process_set": global_process_set, "postscale": 1.0, "passthrough": False, "in_stateless": False,
-            "local": set(), "scale_local_gradients": True}
+            "local": {}, "scale_local_gradients": True}
 
 
 class _DistributedOptimizerMixin:
@@ -50,25 +50,47 @@ class _DistributedOptimizerMixin:
     def _hvddp_allreduce(self, grads: List[Any], variables: List[Any]) -> List[Any]:
         settings = self._hvddp_settings()
         ps = settings["process_set"]
+        local = [id(v) in settings["local"] for v in variables] if settings["local"] else []
         if not ps.included():  # a rank outside the set trains on its own gradients, as in Horovod
-            return [_scaled(g, settings["postscale"]) for g in grads]  # (summed passes, see _settings)
+            factors = [_local_factor(settings) if is_local else settings["postscale"]  # (summed passes)
+                       for is_local in local or [False] * len(grads)]
+            return [_scaled(g, f) for g, f in zip(grads, factors)]
         if ps.size() == 1 and settings["compression"] is Compression.none and settings["postscale"] == 1.0:
             return grads
         if len(grads) != len(variables):
             raise ValueError(f"{type(self).__name__}: got {len(grads)} gradients for {len(variables)} "
                              f"variables; pass one gradient per trainable variable.")
-        if settings["local"]:  # registered local variables keep this rank's gradient
-            local = [id(v) in settings["local"] for v in variables]
-            shared = [i for i, is_local in enumerate(local) if not is_local]
-            out = list(grads)
-            reduced = self._hvddp_reduce([grads[i] for i in shared], [variables[i] for i in shared], settings)
-            for i, g in zip(shared, reduced):
-                out[i] = g
-            factor = settings["postscale"] / (ps.size() if settings["scale_local_gradients"] else 1)
-            for i in (i for i, is_local in enumerate(local) if is_local):
-                out[i] = _scaled(out[i], factor)
-            return out
+        if any(local):  # registered local variables keep this rank's gradient
+            return self._hvddp_reduce_shared(grads, variables, local, settings)
         return self._hvddp_reduce(grads, variables, settings)
+
+    def _hvddp_reduce_shared(self, grads: List[Any], variables: List[Any], local: List[bool],
+                             settings: Dict[str, Any]) -> List[Any]:
+        """Reduce the gradients of the variables that are not local; scale the local ones.
+
+        Under loss scaling, the finite check must decide the same on every rank, but each rank's
+        local gradients are its own: whether they are all finite travels in the group, and where
+        some rank's are not, every rank's local gradients become NaN, so every rank skips the step.
+        """
+        shared = [i for i, is_local in enumerate(local) if not is_local]
+        mine = [i for i, is_local in enumerate(local) if is_local and grads[i] is not None]
+        members, member_vars = [grads[i] for i in shared], [variables[i] for i in shared]
+        check = isinstance(self, _LossScaleOptimizer) and bool(mine)
+        if check:
+            finite = keras.ops.all(keras.ops.stack([keras.ops.all(keras.ops.isfinite(_values(grads[i])))
+                                                    for i in mine]))
+            members.append(keras.ops.reshape(keras.ops.cast(keras.ops.logical_not(finite), "float32"), (1,)))
+            member_vars.append(_Member("(whether local gradients are finite)"))
+        reduced = self._hvddp_reduce(members, member_vars, settings)
+        out = list(grads)
+        for i, g in zip(shared, reduced):
+            out[i] = g
+        poison = keras.ops.where(reduced[-1][0] > 0, float("nan"), 1.0) if check else None
+        for i in mine:
+            out[i] = _scaled(out[i], _local_factor(settings))
+            if poison is not None:
+                out[i] = _scaled(out[i], keras.ops.cast(poison, _values(out[i]).dtype))
+        return out
 
     def _hvddp_reduce(self, grads: List[Any], variables: List[Any], settings: Dict[str, Any]) -> List[Any]:
         ps = settings["process_set"]
@@ -89,7 +111,7 @@ class _DistributedOptimizerMixin:
     def register_local_var(self, var) -> None:
         """Keep ``var``'s gradient on this rank: it is not reduced (Horovod's). It is divided by
         the process set's size when the optimizer was made with ``scale_local_gradients=True``."""
-        self._hvddp_settings()["local"].add(id(var))
+        self._hvddp_settings()["local"][id(var)] = var  # kept alive, so its id stays its own
 
     def apply(self, grads, trainable_variables=None):
         """Average ``grads`` across ranks, then apply them with the wrapped optimizer's rule.
@@ -125,8 +147,28 @@ class _DistributedOptimizerMixin:
         return super().build(var_list)
 
 
-def _scaled(grad: Any, factor: float) -> Any:
-    if grad is None or factor == 1.0:
+class _Member:
+    """A group member that is no variable's gradient: what ``_hvddp_reduce`` reads of a variable."""
+
+    __slots__ = ("shape", "dtype", "path")
+
+    def __init__(self, path: str) -> None:
+        self.shape, self.dtype, self.path = (1,), "float32", path
+
+
+def _local_factor(settings: Dict[str, Any]) -> float:
+    """What a local variable's gradient is multiplied by: the passes' postscale, and 1/size of
+    the process set with ``scale_local_gradients`` (Horovod's, on every rank)."""
+    size = settings["process_set"].size() if settings["scale_local_gradients"] else 1
+    return settings["postscale"] / size
+
+
+def _values(grad: Any) -> Any:
+    return grad.values if type(grad).__name__ == "IndexedSlices" else grad
+
+
+def _scaled(grad: Any, factor: Any) -> Any:
+    if grad is None or (isinstance(factor, float) and factor == 1.0):
         return grad
     if type(grad).__name__ == "IndexedSlices":  # tf's (torch tensors also have .indices/.values)
         return type(grad)(grad.values * factor, grad.indices, grad.dense_shape)
@@ -319,6 +361,36 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
         for mine, theirs in zip(wrapped.variables, optimizer.variables):
             mine.assign(theirs)
     return wrapped
+
+
+def PartialDistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[str] = None,
+                                device_dense: str = "", device_sparse: str = "",
+                                compression: Any = Compression.none, sparse_as_dense: bool = False,
+                                gradient_predivide_factor: float = 1.0, op: Any = hvddp.Average,
+                                groups: Any = None, process_set: ProcessSet = global_process_set,
+                                local_layers: Any = None,
+                                scale_local_gradients: bool = True) -> keras.optimizers.Optimizer:
+    """``DistributedOptimizer`` that keeps the gradients of ``local_layers`` on each rank
+    (Horovod's): their trainable weights are registered with ``register_local_var``. The other
+    arguments are ``DistributedOptimizer``'s, in Horovod's order for this function."""
+    weights = local_layer_weights(local_layers, "PartialDistributedOptimizer")
+    wrapped = DistributedOptimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+                                   gradient_predivide_factor, op, groups=groups, process_set=process_set,
+                                   scale_local_gradients=scale_local_gradients)
+    for weight in weights:
+        wrapped.register_local_var(weight)
+    return wrapped
+
+
+def local_layer_weights(local_layers: Any, who: str) -> List[Any]:
+    """The trainable weights of ``local_layers`` (a Keras layer, a list of them, or None)."""
+    if local_layers is None:
+        return []
+    layers = [local_layers] if isinstance(local_layers, keras.layers.Layer) else list(local_layers)
+    bad = [type(layer).__name__ for layer in layers if not isinstance(layer, keras.layers.Layer)]
+    if bad:
+        raise ValueError(f"{who}: local_layers must be Keras layers; Received: {', '.join(bad)}.")
+    return [weight for layer in layers for weight in layer.trainable_weights]
 
 
 def _accumulation_config(config: dict) -> dict:

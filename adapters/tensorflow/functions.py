@@ -103,7 +103,7 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, use_locking
                          sparse_as_dense: bool = False, backward_passes_per_step: int = 1,
                          op: Any = hvddp.Average, gradient_predivide_factor: float = 1.0,
                          average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = None,
-                         process_set: ProcessSet = global_process_set) -> Any:
+                         process_set: ProcessSet = global_process_set, scale_local_gradients: bool = True) -> Any:
     """Wrap a Keras optimizer so that it averages gradients across ranks, as Horovod's
     ``horovod.tensorflow.DistributedOptimizer`` does for Keras optimizers: it is
     ``hvddp.keras.DistributedOptimizer`` (see there); ``use_locking`` is accepted and ignored.
@@ -125,7 +125,8 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, use_locking
                              gradient_predivide_factor=gradient_predivide_factor, op=op,
                              backward_passes_per_step=backward_passes_per_step,
                              average_aggregated_gradients=average_aggregated_gradients,
-                             num_groups=num_groups, groups=groups, process_set=process_set)
+                             num_groups=num_groups, groups=groups, process_set=process_set,
+                             scale_local_gradients=scale_local_gradients)
 
 
 # Horovod's graph-era ops: the runtime's numbers as int32 tensors ------------------------------

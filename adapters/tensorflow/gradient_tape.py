@@ -58,9 +58,9 @@ class _DistributedGradientTapeMixin:
         flat_grads = tf.nest.flatten(grads, expand_composites=False)
         settings = self._hvddp
         ps = settings["process_set"]
-        if not ps.included():  # outside the set: its own gradients, as in Horovod
-            return grads
         local = [_is_local(s, settings["local"]) for s in flat_sources]
+        if not ps.included():  # outside the set: its own gradients, as in Horovod
+            return tf.nest.pack_sequence_as(sources, self._scale_local(list(flat_grads), local))
         if hvddp.size() == 1 and ps is global_process_set and settings["compression"] is Compression.none:
             return grads
         shared = [i for i, is_local in enumerate(local) if not is_local]
@@ -77,21 +77,33 @@ class _DistributedGradientTapeMixin:
         out = list(flat_grads)
         for i, g in zip(shared, reduced):
             out[i] = g
-        if settings["scale_local_gradients"]:
-            for i in (i for i, is_local in enumerate(local) if is_local and out[i] is not None):
-                out[i] = _divided(out[i], ps.size())
-        return tf.nest.pack_sequence_as(sources, out)
+        return tf.nest.pack_sequence_as(sources, self._scale_local(out, local))
+
+    def _scale_local(self, grads: List[Any], local: List[bool]) -> List[Any]:
+        """Divide the local sources' gradients by the set's size (``scale_local_gradients``)."""
+        if self._hvddp["scale_local_gradients"]:
+            size = self._hvddp["process_set"].size()
+            grads = [_divided(g, size) if is_local and g is not None else g for g, is_local in zip(grads, local)]
+        return grads
 
     def register_local_source(self, source) -> None:
         """Keep ``source``'s gradient on this rank: ``gradient()`` does not reduce it (Horovod's)."""
-        self._hvddp["local"].add(_ref(source))
+        self._hvddp["local"][_ref(source)] = source  # kept alive, so its id stays its own
+
+    def get_local_and_global_gradients(self, target, sources, output_gradients=None):
+        """Horovod's: ``gradient()``, split into ``([(local source, gradient)], [(other source,
+        gradient)])`` in the order of ``sources``."""
+        grads = self.gradient(target, sources, output_gradients=output_gradients)
+        pairs = list(zip(sources, grads))
+        local = self._hvddp["local"]
+        return ([p for p in pairs if _is_local(p[0], local)], [p for p in pairs if not _is_local(p[0], local)])
 
 
 def _ref(source: Any) -> Any:
     return source.ref() if hasattr(source, "ref") else id(source)
 
 
-def _is_local(source: Any, local: set) -> bool:
+def _is_local(source: Any, local: dict) -> bool:
     return bool(local) and _ref(source) in local
 
 
@@ -153,7 +165,7 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
     tape = object.__new__(cls)
     tape.__dict__.update(gradtape.__dict__)
     tape._hvddp = {"op": op, "gradient_predivide_factor": factor, "compression": compression,
-                   "process_set": process_set, "local": set(),
+                   "process_set": process_set, "local": {},
                    "scale_local_gradients": bool(scale_local_gradients)}
     return tape
 
@@ -172,22 +184,12 @@ def PartialDistributedGradientTape(gradtape: tf.GradientTape, device_dense: str 
     process set's size when ``scale_local_gradients``, as in Horovod). The other arguments are
     ``DistributedGradientTape``'s.
     """
-    import keras
+    from hvddp.keras.optimizer import local_layer_weights
 
-    if local_layers is None:
-        local_layers = []
-    elif isinstance(local_layers, keras.layers.Layer):
-        local_layers = [local_layers]
-    else:
-        local_layers = list(local_layers)
-        bad = [type(layer).__name__ for layer in local_layers if not isinstance(layer, keras.layers.Layer)]
-        if bad:
-            raise ValueError(f"PartialDistributedGradientTape: local_layers must be Keras layers; "
-                             f"Received: {', '.join(bad)}.")
+    weights = local_layer_weights(local_layers, "PartialDistributedGradientTape")
     tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
                                    gradient_predivide_factor, num_groups, groups, process_set,
                                    scale_local_gradients)
-    for layer in local_layers:
-        for weight in layer.trainable_weights:
-            tape.register_local_source(weight)
+    for weight in weights:
+        tape.register_local_source(weight)
     return tape

@@ -124,12 +124,17 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
                                   for n, v in s.items()} for k, s in local["state"].items()}}
     skeleton = hvddp.broadcast_object(skeleton, root_rank, "broadcast_optimizer_state.skeleton",
                                       process_set)
-    mine = [len(g["params"]) for g in local["param_groups"]]
+    # compared on every rank at once: a rank that raised alone would leave the root's
+    # broadcasts below waiting for it
+    every = hvddp.allgather_object([len(g["params"]) for g in local["param_groups"]],
+                                   "broadcast_optimizer_state.groups", process_set)
     theirs = [len(g["params"]) for g in skeleton["param_groups"]]
-    if mine != theirs:
-        raise ValueError(f"broadcast_optimizer_state: rank {hvddp.rank()} has param groups of sizes "
-                         f"{mine}, root rank {root_rank} {theirs}; every rank must build the same "
-                         f"optimizer over the same model.")
+    ranks = process_set.ranks or list(range(hvddp.size()))
+    differ = {r: sizes for r, sizes in zip(ranks, every) if sizes != theirs}
+    if differ:
+        raise ValueError(f"broadcast_optimizer_state: the root rank {root_rank} has param groups of "
+                         f"sizes {theirs}, but {', '.join(f'rank {r} has {v}' for r, v in differ.items())}; "
+                         f"every rank must build the same optimizer over the same model.")
     state: Dict[Any, Dict[str, Any]] = {}
     handles = []
     for key in sorted(skeleton["state"], key=str):
