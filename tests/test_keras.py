@@ -26,8 +26,9 @@ BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(importlib.util.find_spec(m)
 
 
 # what the np=2 run must report per backend: one test needs 3 ranks, the TF-graph-only case skips
-# elsewhere, and JAX never gives a None gradient for the partial-gradient case to test
-NP2_SUMMARY = {"tensorflow": "25 passed, 1 skipped", "torch": "24 passed, 2 skipped", "jax": "23 passed, 3 skipped"}
+# elsewhere, JAX never gives a None gradient for the partial-gradient case to test, and Keras'
+# own LossScaleOptimizer.apply fails eagerly on JAX
+NP2_SUMMARY = {"tensorflow": "26 passed, 1 skipped", "torch": "25 passed, 2 skipped", "jax": "23 passed, 4 skipped"}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

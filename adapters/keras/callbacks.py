@@ -52,7 +52,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.root_rank = root_rank
         self.process_set = process_set
         self.broadcast_done = False
-        self._local = set()
+        self._local = {}
         if local_variables is None:
             local_variables = []
         elif not isinstance(local_variables, (list, tuple, set)):
@@ -65,7 +65,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         if not (isinstance(var, keras.Variable) or hasattr(var, "assign")):
             raise ValueError(f"BroadcastGlobalVariablesCallback: local variables must be variables; "
                              f"Received: {type(var).__name__}.")
-        self._local.add(id(var))
+        self._local[id(var)] = var  # kept alive, so its id stays its own
 
     def on_train_begin(self, logs=None):
         if self.broadcast_done:

@@ -75,10 +75,10 @@ class _DistributedOptimizerMixin:
         shared = [i for i, is_local in enumerate(local) if not is_local]
         mine = [i for i, is_local in enumerate(local) if is_local and grads[i] is not None]
         members, member_vars = [grads[i] for i in shared], [variables[i] for i in shared]
-        check = isinstance(self, _LossScaleOptimizer) and bool(mine)
+        check = isinstance(self, _LossScaleOptimizer)  # the same on every rank (the lists match)
         if check:
             finite = keras.ops.all(keras.ops.stack([keras.ops.all(keras.ops.isfinite(_values(grads[i])))
-                                                    for i in mine]))
+                                                    for i in mine])) if mine else keras.ops.convert_to_tensor(True)
             members.append(keras.ops.reshape(keras.ops.cast(keras.ops.logical_not(finite), "float32"), (1,)))
             member_vars.append(_Member("(whether local gradients are finite)"))
         reduced = self._hvddp_reduce(members, member_vars, settings)
