@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 from typing import Any, Iterable, List, Optional, Sequence, Union
 
@@ -35,8 +36,12 @@ class ProcessSet:
     """
 
     def __init__(self, ranks: Optional[Iterable[int]] = None) -> None:
+        self._mpi_comm = None  # Horovod's ProcessSet(comm): resolved by init(process_sets=...)
         if ranks is None:
             self.ranks: Optional[List[int]] = None
+        elif _is_mpi_comm(ranks):
+            self.ranks = None
+            self._mpi_comm = ranks
         else:
             ranks = list(ranks)
             if not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
@@ -398,10 +403,37 @@ def is_homogeneous() -> bool:
     return _state().homogeneous
 
 
+def _is_mpi_comm(value: Any) -> bool:
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi is not None and isinstance(value, mpi.Comm)
+
+
+def _comm_ranks(sub, world) -> List[int]:
+    """The ranks of ``world`` (hvddp's world communicator) that communicator ``sub`` holds."""
+    if sub == sys.modules["mpi4py.MPI"].COMM_NULL:  # this rank is in none of the split's parts
+        raise ValueError("init(process_sets=...): a ProcessSet was made from MPI.COMM_NULL; every rank "
+                         "needs a communicator that holds it (e.g. from COMM_WORLD.Split).")
+    group, world_group = sub.Get_group(), world.Get_group()
+    try:
+        ranks = group.Translate_ranks(list(range(sub.Get_size())), world_group)
+    finally:
+        group.Free()
+        world_group.Free()
+    if any(r < 0 for r in ranks):  # MPI.UNDEFINED
+        raise ValueError("init(process_sets=...): a ProcessSet's communicator holds processes outside "
+                         "hvddp's world communicator.")
+    return sorted(ranks)
+
+
 def _check_process_sets(comm, process_sets) -> List[ProcessSet]:
     """The sets ``init(process_sets=...)`` registers, checked on every rank at once: each one is a
     communicator that every rank creates in the same order, so a list that differs across ranks
     (or is bad on one rank) would leave ranks waiting in ``init()`` for each other.
+
+    A set made from an mpi4py communicator (Horovod's ``ProcessSet(comm)``, typically one part of
+    ``COMM_WORLD.Split``) may hold different ranks on different ranks: every part found at that
+    position is registered, in the order of its lowest rank, and each rank's object becomes the
+    part that holds it.
 
     Raises:
         TypeError, ValueError: on every rank, naming the rank and what it passed.
@@ -419,16 +451,40 @@ def _check_process_sets(comm, process_sets) -> List[ProcessSet]:
             if bad:
                 raise ValueError(f"init(process_sets=...): ProcessSet ranks {bad} are out of range for "
                                  f"world size {size}.")
-        mine = [list(ps.ranks) if ps.ranks is not None else list(range(size)) for ps in sets]
+        mine = [("comm", _comm_ranks(ps._mpi_comm, comm)) if ps._mpi_comm is not None
+                else ("ranks", list(ps.ranks) if ps.ranks is not None else list(range(size))) for ps in sets]
     except (TypeError, ValueError) as exc:
         problem = exc
     every = _raise_together(comm, problem, mine, "process_sets")
-    differ = [r for r, lists in enumerate(every) if lists != every[0]]
+    shape = [[kind if kind == "comm" else (kind, ranks) for kind, ranks in lists] for lists in every]
+    differ = [r for r, lists in enumerate(shape) if lists != shape[0]]
     if differ:
-        raise ValueError(f"init(process_sets=...) differs across ranks: rank 0 passed {every[0]}, "
-                         + ", ".join(f"rank {r} {every[r]}" for r in differ)
-                         + ". Pass the same sets, in the same order, on every rank.")
-    return sets
+        def shown(lists):  # a rank list as given; a communicator as the ranks it holds
+            return "[" + ", ".join(str(ranks) if kind == "ranks" else f"communicator of {ranks}"
+                                   for kind, ranks in lists) + "]"
+        raise ValueError(f"init(process_sets=...) differs across ranks: rank 0 passed {shown(every[0])}, "
+                         + ", ".join(f"rank {r} {shown(every[r])}" for r in differ)
+                         + ". Pass the same sets, in the same order, on every rank (a ProcessSet made "
+                         "from a communicator at the same position everywhere).")
+    out = []
+    for i, ps in enumerate(sets):
+        if ps._mpi_comm is None:
+            out.append(ps)
+            continue
+        parts = sorted({tuple(lists[i][1]) for lists in every}, key=lambda ranks: ranks[0])
+        seen: set = set()
+        for part in parts:  # the same parts on every rank: all raise alike
+            if seen & set(part):
+                raise ValueError(f"init(process_sets=...): the communicators at position {i} overlap "
+                                 f"(parts {[list(p) for p in parts]}) instead of splitting the ranks.")
+            seen |= set(part)
+        for part in parts:
+            if part == tuple(mine[i][1]):
+                ps.ranks = list(part)
+                out.append(ps)
+            else:
+                out.append(ProcessSet(list(part)))
+    return out
 
 
 def _raise_together(comm, error: Optional[Exception], payload: Any = None, source: str = "environment") -> list:
@@ -521,6 +577,9 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
 
     state = _state()
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    if ps._mpi_comm is not None and ps.ranks is None:
+        raise ValueError("add_process_set(): a ProcessSet made from a communicator can only be registered "
+                         "by init(process_sets=[...]) (as in Horovod); pass a list of ranks here.")
     if ps.ranks is None:
         raise ValueError("add_process_set() needs explicit ranks; the global set always exists.")
     if ps.process_set_id is not None:

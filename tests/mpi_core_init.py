@@ -1,5 +1,5 @@
 """init() variants under 3 ranks: a sub-world from a rank list, process sets at init, DYNAMIC timeline,
-re-registering a process set after shutdown and init."""
+re-registering a process set after shutdown and init, process sets from a split communicator."""
 import json
 import os
 import sys
@@ -57,5 +57,30 @@ if again.included():
     out = hvddp.allreduce(np.array([float(world)]), op=hvddp.Sum, name="evens.again", process_set=again)
     assert out[0] == 2.0, out
 hvddp.barrier()
-print(f"rank {world} init variants ok", flush=True)
 hvddp.shutdown()
+
+# 5. Horovod's ProcessSet(comm): each rank passes its own part of a split, and every part is
+# registered; each rank's object becomes the part that holds it
+sub = MPI.COMM_WORLD.Split(color=world % 2, key=world)
+split = hvddp.ProcessSet(sub)
+hvddp.init(process_sets=[split])
+assert split.ranks == ([0, 2] if world % 2 == 0 else [1]), split.ranks
+out = hvddp.allreduce(np.array([float(world)]), op=hvddp.Sum, name="split", process_set=split)
+assert out[0] == sum(split.ranks), out
+try:
+    hvddp.add_process_set(hvddp.ProcessSet(sub))
+except ValueError as exc:
+    assert "only be registered by init" in str(exc), exc
+else:
+    raise AssertionError("add_process_set took a communicator")
+hvddp.shutdown()
+# parts that overlap are refused on every rank, before anything is registered
+pair = MPI.COMM_WORLD.Split(color=0 if world < 2 else 1, key=world)  # [0, 1] and [2]
+overlapping = pair if world < 2 else MPI.COMM_WORLD  # rank 2 passes all three
+try:
+    hvddp.init(process_sets=[hvddp.ProcessSet(overlapping)])
+except ValueError as exc:
+    assert "overlap" in str(exc), exc
+else:
+    raise AssertionError("overlapping communicators were accepted")
+print(f"rank {world} init variants ok", flush=True)
