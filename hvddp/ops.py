@@ -105,7 +105,7 @@ def _process_set(process_set: Any, fn: str):
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"{fn}: process_set must be an hvddp.ProcessSet, got {type(process_set).__name__}.")
     if process_set.process_set_id is None or process_set.process_set_id not in state.process_sets:
-        raise ValueError(f"{fn}: {process_set!r} is not registered; call hvddp.add_process_set() first.")
+        raise ValueError(f"{fn}: {process_set!r} is not registered; {process_set._how_to_register()}.")
     view = state.process_sets[process_set.process_set_id]
     if view.rank < 0:
         raise ValueError(f"{fn}: this rank ({state.rank}) is not a member of {process_set!r}; only its "

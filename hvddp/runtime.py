@@ -37,6 +37,7 @@ class ProcessSet:
 
     def __init__(self, ranks: Optional[Iterable[int]] = None) -> None:
         self._mpi_comm = None  # Horovod's ProcessSet(comm): resolved by init(process_sets=...)
+        self._parts: Optional[List["ProcessSet"]] = None  # the split's parts, this one among them
         if ranks is None:
             self.ranks: Optional[List[int]] = None
         elif _is_mpi_comm(ranks):
@@ -54,6 +55,8 @@ class ProcessSet:
         self._rank = -1
 
     def __repr__(self) -> str:
+        if self._mpi_comm is not None and self.ranks is None:
+            return f"ProcessSet(comm={self._mpi_comm!r}, not registered)"
         return f"ProcessSet(id={self.process_set_id}, ranks={self.ranks})"
 
     # A set is one registered object per process (it holds its communicator): copies of a module
@@ -65,6 +68,9 @@ class ProcessSet:
         return self
 
     def __reduce__(self):
+        if self._mpi_comm is not None and self.ranks is None:  # as mpi4py refuses to pickle the communicator
+            raise TypeError("a ProcessSet made from a communicator cannot be pickled before init() has "
+                            "registered it (its ranks are not known yet).")
         if self is global_process_set:
             return _restore_process_set, ("global",)
         return _restore_process_set, (None if self.ranks is None else list(self.ranks), self.process_set_id)
@@ -72,8 +78,12 @@ class ProcessSet:
     def _require(self) -> None:
         _state()
         if self.process_set_id is None:
-            raise ValueError(f"{self!r} is not registered: pass it to init(process_sets=...) or "
-                             f"add_process_set() first.")
+            raise ValueError(f"{self!r} is not registered: {self._how_to_register()}.")
+
+    def _how_to_register(self) -> str:
+        if self._mpi_comm is not None:
+            return "a set made from a communicator is registered by init(process_sets=[...])"
+        return "pass it to init(process_sets=...) or add_process_set() first"
 
     def included(self) -> bool:
         """Return True if this process is a member."""
@@ -360,6 +370,7 @@ def shutdown() -> None:
             for view in list(state.process_sets.values()):  # members or not: a later init()
                 if view.owner is not global_process_set:      # registers them afresh everywhere
                     view.owner.process_set_id = None
+                    _forget_parts(view.owner)
             global_process_set.process_set_id = None
 
 
@@ -408,6 +419,12 @@ def _is_mpi_comm(value: Any) -> bool:
     return mpi is not None and isinstance(value, mpi.Comm)
 
 
+def _forget_parts(ps: ProcessSet) -> None:
+    """A set made from a communicator finds its ranks again at the next init() (its world may differ)."""
+    if ps._mpi_comm is not None:
+        ps.ranks, ps._parts = None, None
+
+
 def _comm_ranks(sub, world) -> List[int]:
     """The ranks of ``world`` (hvddp's world communicator) that communicator ``sub`` holds."""
     if sub == sys.modules["mpi4py.MPI"].COMM_NULL:  # this rank is in none of the split's parts
@@ -447,7 +464,8 @@ def _check_process_sets(comm, process_sets) -> List[ProcessSet]:
         for ps in sets:
             if not isinstance(ps, ProcessSet):
                 raise TypeError(f"init(process_sets=...) takes ProcessSet objects, got {type(ps).__name__}.")
-            bad = [r for r in ps.ranks or () if not 0 <= r < size]
+            _forget_parts(ps)  # what an earlier, failed init() resolved
+            bad = [r for r in ps.ranks or () if not 0 <= r < size] if ps._mpi_comm is None else []
             if bad:
                 raise ValueError(f"init(process_sets=...): ProcessSet ranks {bad} are out of range for "
                                  f"world size {size}.")
@@ -478,12 +496,16 @@ def _check_process_sets(comm, process_sets) -> List[ProcessSet]:
                 raise ValueError(f"init(process_sets=...): the communicators at position {i} overlap "
                                  f"(parts {[list(p) for p in parts]}) instead of splitting the ranks.")
             seen |= set(part)
+        siblings = []
         for part in parts:
             if part == tuple(mine[i][1]):
                 ps.ranks = list(part)
-                out.append(ps)
+                siblings.append(ps)
             else:
-                out.append(ProcessSet(list(part)))
+                siblings.append(ProcessSet(list(part)))
+        for part in siblings:  # remove_process_set removes them together, in this order everywhere
+            part._parts = siblings
+        out += siblings
     return out
 
 
@@ -577,7 +599,7 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
 
     state = _state()
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    if ps._mpi_comm is not None and ps.ranks is None:
+    if ps._mpi_comm is not None:
         raise ValueError("add_process_set(): a ProcessSet made from a communicator can only be registered "
                          "by init(process_sets=[...]) (as in Horovod); pass a list of ranks here.")
     if ps.ranks is None:
@@ -603,5 +625,8 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         raise ValueError("the global process set cannot be removed.")
     if not isinstance(process_set, ProcessSet) or process_set.process_set_id is None:
         raise ValueError(f"remove_process_set: {process_set!r} is not a registered process set.")
-    ops._process_set_op("remove", process_set, state)
+    # a set made from a communicator is a different part on different ranks: every part goes,
+    # in the order init() registered them, the same on every rank
+    for part in process_set._parts or [process_set]:
+        ops._process_set_op("remove", part, state)
     return True

@@ -2,6 +2,7 @@
 re-registering a process set after shutdown and init, process sets from a split communicator."""
 import json
 import os
+import pickle
 import sys
 
 import numpy as np
@@ -73,7 +74,34 @@ except ValueError as exc:
     assert "only be registered by init" in str(exc), exc
 else:
     raise AssertionError("add_process_set took a communicator")
+# removing it removes every part (each rank's object is a different part, with its own id)
+assert hvddp.remove_process_set(split) is True and split.process_set_id is None
+left = hvddp.add_process_set([1, 2])
+if left.included():
+    assert hvddp.allreduce(np.ones(1), op=hvddp.Sum, name="left", process_set=left)[0] == 2.0
+# removal requests that name different sets raise on every rank (before: one was applied to all)
+a, b = hvddp.add_process_set([0, 1]), hvddp.add_process_set([0, 2])
+try:
+    hvddp.remove_process_set(a if world == 0 else b)
+except hvddp.MismatchError as exc:
+    assert "process set id" in str(exc), exc
+else:
+    raise AssertionError("removals of different sets were accepted")
 hvddp.shutdown()
+# the same object on a smaller world finds its ranks again: rank 0 runs alone, 1 and 2 as 0 and 1
+halves = hvddp.ProcessSet(MPI.COMM_WORLD.Split(color=0 if world == 0 else 1, key=world))
+hvddp.init(process_sets=[halves])
+assert halves.ranks == ([0] if world == 0 else [1, 2]), halves.ranks
+hvddp.shutdown()
+hvddp.init(comm=[1, 2], process_sets=[halves])
+assert halves.ranks == ([0] if world == 0 else [0, 1]), halves.ranks
+hvddp.shutdown()
+try:  # before init() its ranks are unknown: refused, as mpi4py refuses the communicator
+    pickle.dumps(hvddp.ProcessSet(sub))
+except TypeError as exc:
+    assert "cannot be pickled before init" in str(exc), exc
+else:
+    raise AssertionError("pickled a ProcessSet(comm) before init")
 # parts that overlap are refused on every rank, before anything is registered
 pair = MPI.COMM_WORLD.Split(color=0 if world < 2 else 1, key=world)  # [0, 1] and [2]
 overlapping = pair if world < 2 else MPI.COMM_WORLD  # rank 2 passes all three

@@ -48,6 +48,8 @@ def _fields(kind: Kind) -> Sequence[str]:
         return common + ("shape", "root rank")
     if kind is Kind.ADD_PROCESS_SET:
         return ("ranks",)
+    if kind is Kind.REMOVE_PROCESS_SET:
+        return ("process set id",)
     return ()
 
 
@@ -58,7 +60,7 @@ def _value(request: Request, field: str):
         return tuple(request.shape[1:])
     if field == "root rank":
         return request.root
-    if field == "ranks":
+    if field in ("ranks", "process set id"):
         return request.extra
     if field == "op":
         return ReduceOp(request.op)
