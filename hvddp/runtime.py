@@ -203,12 +203,10 @@ def _check_launcher(world_size: int, MPI) -> None:
 
 
 def _register(state: _State, ps: ProcessSet, ps_id: int, world) -> None:
-    """Create the communicator of ``ps``: collective over the whole world communicator."""
+    """Create the communicator of ``ps``: collective over the whole world communicator. Its
+    ranks were checked on every rank before (``_check_process_sets``, ``add_process_set``)."""
     if ps.ranks is None:
         ps.ranks = list(range(state.size))
-    bad = [r for r in ps.ranks if not 0 <= r < state.size]
-    if bad:
-        raise ValueError(f"ProcessSet ranks {bad} are out of range for world size {state.size}.")
     group = world.Get_group().Incl(ps.ranks)
     comm = world.Create(group)
     group.Free()

@@ -85,11 +85,11 @@ class _DistributedOptimizerMixin:
         out = list(grads)
         for i, g in zip(shared, reduced):
             out[i] = g
-        poison = keras.ops.where(reduced[-1][0] > 0, float("nan"), 1.0) if check else None
+        factor = _local_factor(settings)
+        if check:  # NaN where some rank's local gradients were not finite, in the same multiply
+            factor = keras.ops.where(reduced[-1][0] > 0, float("nan"), factor)
         for i in mine:
-            out[i] = _scaled(out[i], _local_factor(settings))
-            if poison is not None:
-                out[i] = _scaled(out[i], keras.ops.cast(poison, _values(out[i]).dtype))
+            out[i] = _scaled(out[i], keras.ops.cast(factor, _values(out[i]).dtype) if check else factor)
         return out
 
     def _hvddp_reduce(self, grads: List[Any], variables: List[Any], settings: Dict[str, Any]) -> List[Any]:
@@ -163,14 +163,18 @@ def _local_factor(settings: Dict[str, Any]) -> float:
     return settings["postscale"] / size
 
 
+def _is_slices(grad: Any) -> bool:
+    return type(grad).__name__ == "IndexedSlices"  # tf's (torch tensors also have .indices/.values)
+
+
 def _values(grad: Any) -> Any:
-    return grad.values if type(grad).__name__ == "IndexedSlices" else grad
+    return grad.values if _is_slices(grad) else grad
 
 
 def _scaled(grad: Any, factor: Any) -> Any:
     if grad is None or (isinstance(factor, float) and factor == 1.0):
         return grad
-    if type(grad).__name__ == "IndexedSlices":  # tf's (torch tensors also have .indices/.values)
+    if _is_slices(grad):
         return type(grad)(grad.values * factor, grad.indices, grad.dense_shape)
     return grad * factor
 
