@@ -51,6 +51,7 @@ Adasum = ReduceOp.ADASUM
 SUPPORTED_DTYPES = ("uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
                     "float32", "float64", "bool")
 # dtype -> name; numpy's dtype.name is slow enough to matter on the submission path.
+ADASUM_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _DTYPE_NAMES = {np.dtype(n): n for n in SUPPORTED_DTYPES if n != "bfloat16"}
 _DTYPE_NAMES[np.dtype(ml_dtypes.bfloat16)] = "bfloat16"
 
@@ -113,7 +114,8 @@ def _process_set(process_set: Any, fn: str):
     return state, view
 
 
-def _op(op: Any, average: Any, fn: str, default: ReduceOp = Average) -> ReduceOp:
+def _op(op: Any, average: Any, fn: str, default: ReduceOp = Average,
+        adasum: bool = False) -> ReduceOp:
     if average is not None:
         if op is not None:
             raise ValueError(f"{fn}: pass either op= or the legacy average=, not both "
@@ -127,9 +129,19 @@ def _op(op: Any, average: Any, fn: str, default: ReduceOp = Average) -> ReduceOp
         op = ReduceOp(op)
     except ValueError:
         raise ValueError(f"{fn}: op must be one of hvddp.Average, Sum, Min, Max, Product; got {op!r}.") from None
-    if op is ReduceOp.ADASUM:
-        raise ValueError(f"{fn}: op=Adasum is not implemented in hvddp; use Average or Sum.")
+    if op is ReduceOp.ADASUM and not adasum:
+        raise ValueError(f"{fn}: op=Adasum applies to allreduce and grouped_allreduce only; use "
+                         f"Average or Sum here.")
     return op
+
+
+def _check_adasum_size(size: int, process_set: ProcessSet, fn: str) -> None:
+    """Adasum pairs ranks level by level (1 with 2, pairs with pairs, ...), as Horovod's does:
+    the set's size must be a power of two. The same on every member, so every member raises."""
+    if size & (size - 1):
+        raise ValueError(f"{fn}: op=Adasum needs a process set whose size is a power of two (as in "
+                         f"Horovod); {process_set!r} has {size} ranks. Launch 1, 2, 4, 8, ... ranks, "
+                         f"or use Average.")
 
 
 def _factor(value: Any, fn: str, arg: str) -> float:
@@ -145,6 +157,14 @@ def _factor(value: Any, fn: str, arg: str) -> float:
 
 def _check_reduce(array: np.ndarray, op: ReduceOp, fn: str, arg: str = "tensor",
                   pre: float = 1.0, post: float = 1.0) -> None:
+    if op is ReduceOp.ADASUM:
+        if isinstance(array, _device.DeviceInput):
+            raise ValueError(f"{fn}: {arg} is on the GPU, and op=Adasum runs on CPU arrays only in "
+                             f"hvddp; reduce a host copy, or use Average.")
+        if _DTYPE_NAMES[array.dtype] not in ADASUM_DTYPES:
+            raise ValueError(f"{fn}: {arg} has dtype {_DTYPE_NAMES[array.dtype]}; op=Adasum combines "
+                             f"floating-point tensors only ({', '.join(ADASUM_DTYPES)}). Cast it first.")
+        return
     if array.dtype.kind == "b":
         if op not in (Min, Max):
             raise ValueError(f"{fn}: {arg} is bool, which reduces only with op=Min (logical and) or "
@@ -250,7 +270,9 @@ def _allreduce(fn: str, tensors: Sequence[Any], average, name, op, prescale_fact
         if handle is not None:
             return handle
     state, view = _process_set(process_set, fn)
-    op = _op(op, average, fn)
+    op = _op(op, average, fn, adasum=True)
+    if op is ReduceOp.ADASUM:
+        _check_adasum_size(view.size, process_set, fn)
     pre = _factor(prescale_factor, fn, "prescale_factor")
     post = _factor(postscale_factor, fn, "postscale_factor")
     name = _check_name(name, fn)

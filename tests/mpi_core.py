@@ -509,3 +509,92 @@ def test_aliased_in_place_arrays_reduce_the_original_values(n):
         np.testing.assert_array_equal(hvddp.synchronize(whole), reference(hvddp.Max, "float32", (n,)))
         np.testing.assert_array_equal(hvddp.synchronize(strided), view_sum)
         np.testing.assert_array_equal(c[::step], view_sum)
+
+
+# Adasum ---------------------------------------------------------------------------------------
+POWER_OF_TWO = N & (N - 1) == 0
+
+
+def adasum_reference(vectors):
+    """The pairwise tree by rank, in float64: level 1 pairs (0, 1), (2, 3), ...; then pairs of pairs."""
+    level = [v.astype(np.float64).ravel() for v in vectors]
+    tiny = np.sqrt(np.finfo(np.float64).tiny)
+    while len(level) > 1:
+        nxt = []
+        for a, b in zip(level[0::2], level[1::2]):
+            dot, aa, bb = a @ b, a @ a, b @ b
+            nxt.append((1 - dot / aa / 2 if aa >= tiny else 1.0) * a + (1 - dot / bb / 2 if bb >= tiny else 1.0) * b)
+        level = nxt
+    return level[0]
+
+
+def adasum_input(rank, n=1000, dtype="float32"):
+    """Partly aligned across ranks (a shared part plus each rank's own): Adasum then lies well
+    between the average and the sum."""
+    shared = np.random.default_rng(99).standard_normal(n)
+    return (shared + 0.7 * np.random.default_rng(100 + rank).standard_normal(n)).astype(dt(dtype))
+
+
+@pytest.mark.skipif(not POWER_OF_TWO, reason="Adasum needs a power-of-two size (refusal tested below)")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_adasum_is_the_pairwise_tree_of_ranks_and_bit_identical_everywhere(dtype):
+    x = adasum_input(R, 1000, dtype)
+    got = hvddp.allreduce(x, op=hvddp.Adasum, name=f"adasum.{dtype}")
+    assert got.dtype == x.dtype and got.shape == x.shape
+    expect = adasum_reference([adasum_input(r, 1000, dtype) for r in range(N)])
+    tol = {"float16": 3e-3, "bfloat16": 2e-2, "float32": 1e-5, "float64": 1e-12}[dtype]
+    np.testing.assert_allclose(got.astype(np.float64), expect, rtol=tol, atol=tol)
+    if N > 1:  # not the average, not the sum
+        stack = np.stack([adasum_input(r, 1000, dtype).astype(np.float64) for r in range(N)])
+        assert np.abs(expect - stack.mean(0)).max() > 10 * tol
+        assert np.abs(expect - stack.sum(0)).max() > 10 * tol
+    bits = hvddp.allgather_object(got.tobytes())
+    assert all(b == bits[0] for b in bits)  # replicas stay identical
+
+
+@pytest.mark.skipif(not POWER_OF_TWO, reason="Adasum needs a power-of-two size (refusal tested below)")
+def test_adasum_of_equal_vectors_is_their_value_and_of_orthogonal_ones_their_sum():
+    same = np.linspace(-1, 1, 9)
+    np.testing.assert_allclose(hvddp.allreduce(same, op=hvddp.Adasum, name="adasum.same"), same, rtol=1e-14)
+    axis = np.zeros(N)
+    axis[R] = 3.0
+    np.testing.assert_allclose(hvddp.allreduce(axis, op=hvddp.Adasum, name="adasum.axes"), np.full(N, 3.0))
+
+
+@pytest.mark.skipif(not POWER_OF_TWO, reason="Adasum needs a power-of-two size (refusal tested below)")
+def test_adasum_grouped_in_place_with_scale_factors_and_fusion():
+    xs = [adasum_input(R, n) for n in (5, 300, 0, 70000)]  # per-tensor coefficients within one batch
+    outs = hvddp.grouped_allreduce([x.astype(np.float64) for x in xs], op=hvddp.Adasum, name="adasum.group")
+    for i, out in enumerate(outs):
+        n = xs[i].size
+        np.testing.assert_allclose(out, adasum_reference([adasum_input(r, n) for r in range(N)]), rtol=1e-6,
+                                   atol=1e-6)
+    y = adasum_input(R, 50).astype(np.float64)
+    handle = hvddp.allreduce_async_(y, op=hvddp.Adasum, prescale_factor=4.0, postscale_factor=0.5,
+                                    name="adasum.inplace")
+    assert hvddp.synchronize(handle) is y
+    # Adasum is scale-equivariant: prescale 4 then postscale 0.5 doubles the result
+    np.testing.assert_allclose(y, 2 * adasum_reference([adasum_input(r, 50) for r in range(N)]), rtol=1e-12)
+
+
+@pytest.mark.skipif(not POWER_OF_TWO or N < 2, reason="needs a power-of-two size of at least 2")
+def test_adasum_while_a_rank_has_joined_leaves_its_zeros_out():
+    if R != N - 1:
+        got = hvddp.allreduce(adasum_input(R, 64, "float64"), op=hvddp.Adasum, name="adasum.join")
+        zeros = np.zeros(64)
+        expect = adasum_reference([adasum_input(r, 64, "float64") if r != N - 1 else zeros for r in range(N)])
+        np.testing.assert_allclose(got, expect, rtol=1e-12)
+    hvddp.join()
+
+
+def test_adasum_refusals_name_the_argument_on_every_rank():
+    if not POWER_OF_TWO:
+        with pytest.raises(ValueError, match=rf"power of two.*has {N} ranks"):
+            hvddp.allreduce(np.ones(3), op=hvddp.Adasum, name="adasum.size")
+    dtype_or_size = r"tensors\[1\] has dtype int32; op=Adasum combines floating-point" if POWER_OF_TWO else "power of two"
+    with pytest.raises(ValueError, match=dtype_or_size):
+        hvddp.grouped_allreduce([np.ones(2), np.ones(2, np.int32)], op=hvddp.Adasum)
+    with pytest.raises(ValueError, match="op=Adasum applies to allreduce and grouped_allreduce only"):
+        hvddp.reducescatter(np.ones(4), op=hvddp.Adasum)
+    # nothing was submitted: the engine still serves the next call on every rank
+    np.testing.assert_array_equal(hvddp.allreduce(np.ones(2), op=hvddp.Sum, name="adasum.after"), np.full(2, N))

@@ -503,8 +503,10 @@ def test_bad_arguments():
         hvd.DistributedOptimizer(sgd(), named_parameters=[("w", model.fc1.weight), ("w", model.fc1.bias)])
     with pytest.raises(ValueError, match="not in it"):
         hvd.DistributedOptimizer(sgd(), named_parameters=[("w", model.fc1.weight)])
-    with pytest.raises(ValueError, match="Adasum"):
-        hvd.DistributedOptimizer(sgd(), op=hvd.Adasum)
+    with pytest.raises(ValueError, match="`groups`.*do not apply with op=Adasum"):
+        hvd.DistributedOptimizer(sgd(), op=hvd.Adasum, groups=2)
+    with pytest.raises(ValueError, match="gradient_predivide_factor applies only to op=Average"):
+        hvd.DistributedOptimizer(sgd(), op=hvd.Adasum, gradient_predivide_factor=2.0)
     with pytest.raises(ValueError, match="only to op=Average"):
         hvd.DistributedOptimizer(sgd(), op=hvd.Sum, gradient_predivide_factor=2.0)
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
@@ -600,3 +602,90 @@ def test_broadcast_optimizer_state_with_different_groups_raises_on_every_rank():
     opt = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
     with pytest.raises(ValueError, match=f"rank {N - 1} has \\[2, 2\\]"):
         hvd.broadcast_optimizer_state(opt, root_rank=0)
+
+
+# Adasum ----------------------------------------------------------------------------------------
+POWER_OF_TWO = N & (N - 1) == 0
+
+
+def adasum_tree(vectors):
+    """Horovod's Adasum of per-rank tensors: the pairwise tree by rank, in float64."""
+    level = [v.double().reshape(-1) for v in vectors]
+    tiny = torch.finfo(torch.float64).tiny ** 0.5
+    while len(level) > 1:
+        pairs = zip(level[0::2], level[1::2])
+        level = [(1 - (a @ b) / (a @ a) / 2 if a @ a >= tiny else 1.0) * a
+                 + (1 - (a @ b) / (b @ b) / 2 if b @ b >= tiny else 1.0) * b for a, b in pairs]
+    return level[0]
+
+
+@pytest.mark.skipif(not POWER_OF_TWO, reason="Adasum needs a power-of-two size (refusal tested below)")
+@pytest.mark.parametrize("passes", [1, 2])
+def test_adasum_combines_each_ranks_update_as_horovod_does(passes):
+    """Each rank's own SGD-with-momentum update (its momentum built from its own gradients) from
+    the same parameters, combined per parameter by the Adasum tree, is what every replica ends
+    with; simulated here for every rank's shard."""
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), op=hvd.Adasum,
+                                   named_parameters=model.named_parameters(), backward_passes_per_step=passes)
+    momentum = [[None] * len(list(ref.parameters())) for _ in range(N)]  # each rank's buffers
+    gap = 0.0  # how far Adasum lands from the plain average of the updates
+    for step in range(3):
+        updates = []
+        for s in range(N):
+            local = copy.deepcopy(ref)
+            for micro in range(passes):
+                x, y = batch(step, micro)
+                shard_loss(local, x, y, s).backward()
+            for i, p in enumerate(local.parameters()):
+                buf = momentum[s][i]
+                momentum[s][i] = p.grad.clone() if buf is None else buf * 0.9 + p.grad
+            updates.append([-0.1 * b for b in momentum[s]])
+        with torch.no_grad():
+            for i, q in enumerate(ref.parameters()):
+                combined = adasum_tree([u[i] for u in updates]).reshape(q.shape)
+                gap = max(gap, float((combined - torch.stack([u[i] for u in updates]).double().mean(0)).abs().max()))
+                q.add_(combined.float())
+        opt.zero_grad()
+        for micro in range(passes):
+            x, y = batch(step, micro)
+            shard_loss(model, x, y, R).backward()
+        opt.step()
+        assert_parity(model, ref, rtol=1e-5, atol=1e-6)
+        assert_replicas_identical(model, f"adasum.{passes}.{step}")
+    assert N == 1 or gap > 1e-3  # the check above tells Adasum from averaging
+
+
+@pytest.mark.skipif(not POWER_OF_TWO, reason="Adasum needs a power-of-two size (refusal tested below)")
+def test_adasum_with_adam_keeps_each_ranks_state_and_identical_replicas():
+    torch.manual_seed(1)
+    model = Net()
+    start = flat(model).clone()
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), op=hvd.Adasum,
+                                   named_parameters=model.named_parameters(),
+                                   compression=hvd.Compression.fp16)
+    for step in range(3):
+        opt.zero_grad()
+        x, y = batch(step)
+        shard_loss(model, x, y, R).backward()
+        if N > 1:
+            with pytest.raises(hvd.HvddpError, match="before step"):
+                opt.zero_grad()
+        opt.step()
+        assert_replicas_identical(model, f"adasum.adam.{step}")
+    assert not torch.equal(flat(model), start)
+    assert all(int(state["step"]) == 3 for state in opt.state.values())  # each rank's own moments
+    with pytest.raises(hvd.HvddpError, match="skip_synchronize"):
+        with opt.skip_synchronize():
+            pass
+
+
+def test_adasum_needs_a_power_of_two_number_of_ranks():
+    model = Net()
+    if POWER_OF_TWO:
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum)
+        return
+    with pytest.raises(ValueError, match=rf"op=Adasum needs a process set whose size is a power of two.*has {N} ranks"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum)

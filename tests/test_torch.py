@@ -60,12 +60,13 @@ def _accuracies(output: str):
     return [float(a) for a in re.findall(r"Accuracy: ([0-9.]+)%", output)]
 
 
-def test_horovod_style_script_runs_with_only_the_import_changed():
+@pytest.mark.parametrize("flags", [[], ["--use-adasum"]], ids=["average", "adasum"])
+def test_horovod_style_script_runs_with_only_the_import_changed(flags):
     with open(os.path.join(ROOT, "tests", "horovod_style_torch.py")) as f:
         source = f.read()
     code = source.split('"""', 2)[2]  # after the module docstring
     assert [line for line in code.splitlines() if "hvddp" in line] == ["import hvddp.torch as hvd"]
-    result = run(2, ["tests/horovod_style_torch.py"], timeout=180)
+    result = run(2, ["tests/horovod_style_torch.py"] + flags, timeout=180)
     accuracies = _accuracies(result.stdout)
     assert len(accuracies) == 8, result.stdout  # rank 0 alone prints, once per epoch
     assert accuracies[-1] >= 90.0, result.stdout

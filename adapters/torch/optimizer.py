@@ -31,12 +31,13 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 import torch
 
 import hvddp
-from hvddp import Average, HvddpError, MismatchError, ProcessSet, ReduceOp, Sum, global_process_set
+from hvddp import Adasum, Average, HvddpError, MismatchError, ProcessSet, ReduceOp, Sum, global_process_set
 from hvddp.exceptions import KIND_MISMATCH
 from hvddp.ops import _op as _check_op
 
 from ._convert import as_numpy
 from ._sparse import sparse_rows_async
+from .adasum import _DistributedAdasumOptimizer
 from .compression import Compression, Compressor
 from .mpi_ops import allreduce_async_, grouped_allreduce_async_
 
@@ -79,6 +80,33 @@ def load_in_place(optimizer: torch.optim.Optimizer, state_dict: dict, load: Call
         state.clear()
         state.update(optimizer.state)
         optimizer.state = state
+
+
+def parameter_names(param_groups: list, named_parameters) -> Dict[torch.Tensor, str]:
+    """Each parameter's name: from ``named_parameters`` (checked: pairs, unique, covering every
+    parameter of ``param_groups``), else ``noname.<group>.<index>``."""
+    params = [p for group in param_groups for p in group["params"]]
+    if named_parameters is None:
+        return {p: f"noname.{i}.{j}" for i, group in enumerate(param_groups)
+                for j, p in enumerate(group["params"])}
+    named_parameters = list(named_parameters)
+    bad = [item for item in named_parameters
+           if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str))]
+    if bad:
+        raise TypeError(f"`named_parameters` must be (name, parameter) pairs such as "
+                        f"model.named_parameters(), got {bad[0]!r}.")
+    names = [n for n, _ in named_parameters]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"`named_parameters` has duplicate names {dups}; parameter names must "
+                         f"be unique (they name the reductions across ranks).")
+    by_id = {id(p): n for n, p in named_parameters}
+    unnamed = [p for p in params if id(p) not in by_id]
+    if unnamed:
+        raise ValueError(f"`named_parameters` was given but {len(unnamed)} of the optimizer's "
+                         f"parameters are not in it (shapes {[tuple(p.shape) for p in unnamed[:5]]}); "
+                         f"pass model.named_parameters() of the model the optimizer was built on.")
+    return {p: by_id[id(p)] for p in params}
 
 
 def _split_list(items: list, n: int) -> List[list]:
@@ -168,28 +196,7 @@ class _DistributedOptimizer:
             raise TypeError(f"`process_set` must be an hvddp.ProcessSet, got {type(process_set).__name__}.")
 
         params = [p for group in self.param_groups for p in group["params"]]
-        if named_parameters is not None:
-            named_parameters = list(named_parameters)
-            bad = [item for item in named_parameters
-                   if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str))]
-            if bad:
-                raise TypeError(f"`named_parameters` must be (name, parameter) pairs such as "
-                                f"model.named_parameters(), got {bad[0]!r}.")
-            names = [n for n, _ in named_parameters]
-            dups = sorted({n for n in names if names.count(n) > 1})
-            if dups:
-                raise ValueError(f"`named_parameters` has duplicate names {dups}; parameter names must "
-                                 f"be unique (they name the reductions across ranks).")
-            by_id = {id(p): n for n, p in named_parameters}
-            unnamed = [p for p in params if id(p) not in by_id]
-            if unnamed:
-                raise ValueError(f"`named_parameters` was given but {len(unnamed)} of the optimizer's "
-                                 f"parameters are not in it (shapes {[tuple(p.shape) for p in unnamed[:5]]}); "
-                                 f"pass model.named_parameters() of the model the optimizer was built on.")
-            self._hvddp_names = {p: by_id[id(p)] for p in params}
-        else:
-            self._hvddp_names = {p: f"noname.{i}.{j}" for i, group in enumerate(self.param_groups)
-                                 for j, p in enumerate(group["params"])}
+        self._hvddp_names = parameter_names(self.param_groups, named_parameters)
         index = next(_instances.setdefault(process_set, itertools.count()))
         self._hvddp_prefix = "grad." if index == 0 else f"grad{index}."
         self._hvddp_compression = compression
@@ -523,7 +530,7 @@ class _DistributedOptimizer:
 # already wrapped, so hooks would run twice.
 _DistributedOptimizer.step.hooked = True  # type: ignore[attr-defined]
 
-_classes: Dict[type, type] = {}
+_classes: Dict[tuple, type] = {}  # (mixin, wrapped class) -> wrapper class
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
@@ -553,7 +560,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             for the reduction and back.
         backward_passes_per_step: backward passes accumulated locally (summed, as in Horovod;
             scale the loss to average) before the gradients are reduced.
-        op: ``Average`` (default) or ``Sum``.
+        op: ``Average`` (default) or ``Sum``; or ``Adasum``, which (as in Horovod) combines each
+            rank's update instead of the gradients: see ``hvddp.torch.adasum``. The process set's
+            size must then be a power of two, and ``groups``/``gradient_predivide_factor`` do
+            not apply.
         gradient_predivide_factor: with Average, divide by this before the sum and by
             ``size / factor`` after it.
         num_groups: Horovod's older spelling of an int ``groups`` (kept at its position, so
@@ -576,7 +586,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer: expected a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}.")
-    if isinstance(optimizer, _DistributedOptimizer):
+    if isinstance(optimizer, (_DistributedOptimizer, _DistributedAdasumOptimizer)):
         raise ValueError("DistributedOptimizer: this optimizer is already distributed; wrap the "
                          "original optimizer once.")
     if num_groups:
@@ -584,18 +594,43 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                       "`groups=` instead.", DeprecationWarning, stacklevel=2)
         if groups is None:
             groups = num_groups
+    adasum = op is Adasum or (isinstance(op, numbers.Integral) and not isinstance(op, bool) and op == Adasum)
+    if adasum:
+        _check_adasum_arguments(compression, backward_passes_per_step, gradient_predivide_factor,
+                                groups, process_set)
+    mixin = _DistributedAdasumOptimizer if adasum else _DistributedOptimizer
     base = type(optimizer)
-    cls = _classes.get(base)
+    cls = _classes.get((mixin, base))
     if cls is None:
-        cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": __name__,
-                                                                   "__qualname__": base.__qualname__})
-        _classes[base] = cls
+        cls = type(base.__name__, (mixin, base), {"__module__": __name__, "__qualname__": base.__qualname__})
+        _classes[(mixin, base)] = cls
     wrapper = cls.__new__(cls)
     # Share state, param_groups, defaults and hooks; drop instance-level method patches (an LR
     # scheduler's step wrapper is bound to the original object).
     wrapper.__dict__.update({k: v for k, v in optimizer.__dict__.items()
                              if k not in ("step", "zero_grad")})
-    wrapper._hvddp_setup(named_parameters, compression, backward_passes_per_step, op,
-                         gradient_predivide_factor, groups, sparse_as_dense, process_set)
+    if adasum:
+        wrapper._hvddp_adasum_setup(parameter_names(wrapper.param_groups, named_parameters), compression,
+                                    backward_passes_per_step, process_set)
+    else:
+        wrapper._hvddp_setup(named_parameters, compression, backward_passes_per_step, op,
+                             gradient_predivide_factor, groups, sparse_as_dense, process_set)
     wrapper._hvddp_wrapped = weakref.ref(optimizer)
     return wrapper
+
+
+def _check_adasum_arguments(compression, backward_passes_per_step, gradient_predivide_factor, groups,
+                            process_set) -> None:
+    """The arguments that mean something with op=Adasum, checked; the others refused by name."""
+    _check_passes(backward_passes_per_step)
+    if gradient_predivide_factor != 1.0:
+        raise ValueError(f"DistributedOptimizer: gradient_predivide_factor applies only to op=Average, "
+                         f"got op=Adasum with gradient_predivide_factor={gradient_predivide_factor!r}.")
+    if groups is not None:
+        raise ValueError("DistributedOptimizer: `groups` (and num_groups) do not apply with op=Adasum: "
+                         "each parameter's update is combined on its own, with its own coefficients.")
+    if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
+        raise TypeError(f"`compression` must be one of hvddp.torch.Compression.none/fp16/bf16 (or "
+                        f"have compress/decompress), got {compression!r}.")
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"`process_set` must be an hvddp.ProcessSet, got {type(process_set).__name__}.")

@@ -169,7 +169,7 @@ class Executor:
         if inplace and len(cpu_entries) > 1:
             _unalias(cpu_entries)
         for key, groups in batches.items():
-            if key[5] == "cpu":
+            if key[5] == "cpu" and key[1] != ReduceOp.ADASUM:
                 cma = self._cross_memory(key[0], sum(g[0] for g in groups))
                 if cma is not None:
                     group = [item for _, batch in groups for item in batch]
@@ -283,6 +283,9 @@ class Executor:
     # ------------------------------------------------------------------------------------
     def _allreduce_batch(self, batch: list) -> None:
         request0 = batch[0][0]
+        if request0.op == ReduceOp.ADASUM:
+            self._adasum_batch(batch)
+            return
         ps = self.process_sets[request0.ps_id]
         chunk = self.config.mpi_chunk_bytes
         pre = request0.prescale
@@ -339,6 +342,43 @@ class Executor:
             return
         if tl:
             tl.end([item[0].name for item in batch])
+        _complete(batch)
+
+    def _adasum_batch(self, batch: list) -> None:
+        """Adasum of a batch, packed into one private buffer (each level rewrites it), each
+        tensor combined with its own coefficients; prescale on the way in, postscale out."""
+        from ..backends import adasum
+
+        request0 = batch[0][0]
+        ps = self.process_sets[request0.ps_id]
+        names = [item[0].name for item in batch]
+        tl = self.timeline
+        try:
+            sizes = [_meta(item[0])[0] for item in batch]
+            buf = np.empty(sum(sizes), dtype=_dtype(wire_dtype(request0.dtype)))
+            views, offset = [], 0
+            for (request, entry, _), n in zip(batch, sizes):
+                view = buf[offset:offset + n]
+                offset += n
+                views.append(view)
+                if entry is None:  # a joined rank: zeros, which Adasum leaves out
+                    view.fill(0)
+                else:
+                    _scaled_copy(view, entry.input.reshape(-1), request0.prescale)
+            if tl:
+                tl.activities(names, "MPI_ADASUM_ALLREDUCE")
+            adasum.combine(ps.comm, buf, sizes, self.config.mpi_chunk_bytes)
+            for (request, entry, _), view in zip(batch, views):
+                if entry is None:
+                    continue
+                if entry.output is None:
+                    entry.output = self.pool.empty(request.shape, _dtype(request.dtype))
+                _scaled_copy(entry.output.reshape(-1), view, request0.postscale)
+        except Exception as exc:
+            _fail(batch, exc)
+            return
+        if tl:
+            tl.end(names)
         _complete(batch)
 
     def _allreduce_many(self, cma, group: list) -> None:

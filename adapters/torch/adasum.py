@@ -1,0 +1,163 @@
+"""``DistributedOptimizer(op=hvd.Adasum)``: combine each rank's update with Adasum, as Horovod does.
+
+Adasum is applied to what the optimizer would change, not to the gradients: as soon as backward
+has accumulated a parameter's gradient (every ``backward_passes_per_step`` passes), this rank
+runs the wrapped optimizer's update on that parameter alone, from a saved copy of it, and sends
+the change (``delta = updated - saved``) to be combined in place by an Adasum allreduce. ``step()``
+waits and sets every parameter to ``saved + combined delta``. So the optimizer's state (momentum,
+Adam's moments) stays each rank's own, and the learning rate is the one that suits a single
+process (Horovod's guidance: Adasum needs no learning-rate scaling by the number of ranks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Dict, Iterator
+
+import torch
+
+from hvddp import Adasum, HvddpError, ProcessSet
+
+from .compression import Compressor
+from .mpi_ops import allreduce_async_, synchronize
+
+
+def _weak_hook(optimizer):
+    ref = weakref.ref(optimizer)
+
+    def hook(p: torch.Tensor) -> None:
+        opt = ref()
+        if opt is not None:
+            opt._hvddp_hook(p)
+
+    return hook
+
+
+class _DistributedAdasumOptimizer:
+    """Mixin put first in the wrapper's bases; see ``DistributedOptimizer(op=Adasum)``."""
+
+    def _hvddp_adasum_setup(self, names: Dict[torch.Tensor, str], compression: Compressor,
+                            backward_passes_per_step: int, process_set: ProcessSet) -> None:
+        size = process_set.size()
+        if size & (size - 1):
+            raise ValueError(f"DistributedOptimizer: op=Adasum needs a process set whose size is a power "
+                             f"of two (as in Horovod); {process_set!r} has {size} ranks. Launch 1, 2, 4, "
+                             f"8, ... ranks, or use op=hvd.Average.")
+        self._hvddp_names = names
+        self._hvddp_compression = compression
+        self._hvddp_bpps = int(backward_passes_per_step)
+        self._hvddp_process_set = process_set
+        self._hvddp_params = [p for p in names if p.requires_grad]  # (a dict's keys: no repeats)
+        self._hvddp_delay = {p: self._hvddp_bpps for p in self._hvddp_params}
+        self._hvddp_saved: Dict[torch.Tensor, torch.Tensor] = {}
+        self._hvddp_flights: Dict[torch.Tensor, tuple] = {}
+        self._hvddp_active = size > 1 and process_set.included()
+        self._hvddp_hooks = []
+        if self._hvddp_active:
+            hook = _weak_hook(self)
+            self._hvddp_hooks = [p.register_post_accumulate_grad_hook(hook) for p in self._hvddp_params]
+            weakref.finalize(self, _remove, self._hvddp_hooks)
+
+    def _hvddp_hook(self, p: torch.Tensor) -> None:
+        if self._hvddp_delay[p] <= 0:
+            raise HvddpError(
+                f"the gradient of {self._hvddp_names[p]!r} was accumulated more than "
+                f"backward_passes_per_step={self._hvddp_bpps} times before step(). Increase "
+                f"backward_passes_per_step to accumulate gradients locally, or call step() after each "
+                f"{self._hvddp_bpps} backward pass(es).")
+        self._hvddp_delay[p] -= 1
+        if self._hvddp_delay[p] == 0:
+            self._hvddp_send_delta(p)
+
+    def _hvddp_send_delta(self, p: torch.Tensor) -> None:
+        """Update ``p`` alone with the wrapped optimizer, turn it into the change, send that."""
+        saved = self._hvddp_saved.get(p)
+        if saved is None:
+            saved = self._hvddp_saved[p] = torch.empty_like(p, requires_grad=False)
+        with torch.no_grad():
+            saved.copy_(p)
+        stashed = [group["params"] for group in self.param_groups]
+        try:
+            for group in self.param_groups:
+                group["params"] = [p] if any(q is p for q in group["params"]) else []
+            super().step()  # the wrapped class's update, on this parameter only
+        finally:
+            for group, params in zip(self.param_groups, stashed):
+                group["params"] = params
+        with torch.no_grad():
+            p.sub_(saved)  # p holds this rank's change until step() puts the result there
+        try:
+            sent, ctx = self._hvddp_compression.compress(p.detach())
+            handle = allreduce_async_(sent, name=f"adasum.{self._hvddp_names[p]}", op=Adasum,
+                                      process_set=self._hvddp_process_set)
+        except Exception:
+            with torch.no_grad():
+                p.copy_(saved)  # refused (say, an integer parameter): leave it as it was
+            raise
+        self._hvddp_flights[p] = (handle, ctx)
+
+    def synchronize(self) -> None:
+        """Nothing to do ahead of ``step()`` with Adasum (as in Horovod): the gradients are not
+        reduced; the updates are, inside ``step()``."""
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        raise HvddpError("skip_synchronize() does not apply with op=Adasum (as in Horovod): step() "
+                         "combines the updates, not the gradients, so there is nothing to synchronize "
+                         "first. Clip gradients before step() without it.")
+        yield  # pragma: no cover
+
+    def step(self, closure=None):
+        """Send every update not yet sent, wait, and set each parameter to ``saved + combined``."""
+        if not self._hvddp_active:
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for p in self._hvddp_params:
+            if p not in self._hvddp_flights:  # no gradient yet, or fewer passes than set: sent now
+                self._hvddp_send_delta(p)
+        flights, self._hvddp_flights = self._hvddp_flights, {}
+        errors = []
+        for p, (handle, ctx) in flights.items():
+            try:
+                delta = self._hvddp_compression.decompress(synchronize(handle), ctx)
+            except Exception as exc:  # wait for all before raising, so names are free again
+                errors.append(exc)
+                with torch.no_grad():
+                    p.copy_(self._hvddp_saved[p])  # leave the parameter as it was
+                continue
+            with torch.no_grad():
+                p.copy_(self._hvddp_saved[p].add_(delta))
+        for p in self._hvddp_params:
+            self._hvddp_delay[p] = self._hvddp_bpps
+        wrapped = getattr(self, "_hvddp_wrapped", None)
+        wrapped = wrapped() if wrapped is not None else None
+        if wrapped is not None:  # an LR scheduler made on it checks that it stepped (torch >= 2.2)
+            wrapped._opt_called = True
+        if errors:
+            raise errors[0]
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset gradients as the wrapped optimizer does.
+
+        Raises:
+            hvddp.HvddpError: updates of this step are still being combined (called after
+                ``backward()`` and before ``step()``).
+        """
+        if getattr(self, "_hvddp_flights", None):
+            raise HvddpError(f"zero_grad() was called after backward() and before step(): "
+                             f"{len(self._hvddp_flights)} parameter update(s) are being combined. Call "
+                             f"step() first.")
+        return super().zero_grad(set_to_none=set_to_none)
+
+
+_DistributedAdasumOptimizer.step.hooked = True  # type: ignore[attr-defined]  (see optimizer.py)
+
+
+def _remove(handles: list) -> None:
+    for h in handles:
+        h.remove()
