@@ -115,7 +115,8 @@ def check_op(op: Any, average: Optional[bool], fn: str, default: Any = hvddp.Ave
         raise ValueError(f"{fn}: op must be one of hvddp.Average, Sum, Min, Max, Product; "
                          f"Received: op={op!r}.") from None
     if op is hvddp.Adasum:
-        raise ValueError(f"{fn}: op=Adasum is not implemented in hvddp; use Average or Sum.")
+        raise ValueError(f"{fn}: op=Adasum is not implemented in hvddp.keras and hvddp.tensorflow yet "
+                         f"(hvddp and hvddp.torch have it); use Average or Sum.")
     return op
 
 
