@@ -98,6 +98,13 @@ def main() -> int:
             assert "device" in str(exc), exc
         else:
             raise AssertionError("a device mismatch across ranks did not raise")
+    # Adasum is CPU-only: refused at submission on every rank, naming the tensor
+    try:
+        hvddp.allreduce(dev(np.ones(3, np.float32)), name="wired.adasum", op=hvddp.Adasum)
+    except ValueError as exc:
+        assert "tensor is on the GPU" in str(exc) and "Adasum" in str(exc), exc
+    else:
+        raise AssertionError("Adasum on a device array did not raise")
     hvddp.shutdown()
     print(f"WIRED OK rank {rank}", flush=True)
     return 0

@@ -689,3 +689,32 @@ def test_adasum_needs_a_power_of_two_number_of_ranks():
         return
     with pytest.raises(ValueError, match=rf"op=Adasum needs a process set whose size is a power of two.*has {N} ranks"):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum)
+
+
+@pytest.mark.skipif(not POWER_OF_TWO, reason="Adasum needs a power-of-two size (refusal tested above)")
+def test_adasum_two_optimizers_groups_added_unfrozen_scheduler_and_passes():
+    torch.manual_seed(2)
+    a, b, c = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+    c.weight.requires_grad_(False)
+    base = torch.optim.SGD(list(a.parameters()), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(base, step_size=1, gamma=0.5)
+    opt1 = hvd.DistributedOptimizer(base, op=hvd.Adasum)  # both unnamed: noname.0.0, ...
+    opt2 = hvd.DistributedOptimizer(torch.optim.SGD(list(b.parameters()) + [c.weight], lr=0.1), op=hvd.Adasum)
+    opt1.load_state_dict(opt1.state_dict())  # keeps the scheduler's link
+    extra = torch.nn.Parameter(torch.ones(4))
+    opt2.add_param_group({"params": [extra]})
+    c.weight.requires_grad_(True)  # unfrozen after wrapping
+    before = [p.detach().clone() for p in (a.weight, b.weight, c.weight, extra)]
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(R))
+    loss = (b(torch.tanh(a(x))) + c(x) + (x * extra).sum(1, keepdim=True)).pow(2).mean()
+    loss.backward()
+    opt1.step()
+    opt2.step()
+    sched.step()
+    after = [p.detach() for p in (a.weight, b.weight, c.weight, extra)]
+    assert all(not torch.equal(p, q) for p, q in zip(before, after))  # every one trained
+    for i, p in enumerate(after):
+        assert_replicas_identical(torch.nn.ParameterList([torch.nn.Parameter(p)]), f"adasum.two.{i}")
+    assert opt1.param_groups[0]["lr"] == 0.05
+    opt2.set_backward_passes_per_step(2)
+    assert opt2.backward_passes_per_step == 2

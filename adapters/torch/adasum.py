@@ -38,13 +38,15 @@ class _DistributedAdasumOptimizer:
     """Mixin put first in the wrapper's bases; see ``DistributedOptimizer(op=Adasum)``."""
 
     def _hvddp_adasum_setup(self, names: Dict[torch.Tensor, str], compression: Compressor,
-                            backward_passes_per_step: int, process_set: ProcessSet) -> None:
+                            backward_passes_per_step: int, process_set: ProcessSet, index: int) -> None:
         size = process_set.size()
         if size & (size - 1):
             raise ValueError(f"DistributedOptimizer: op=Adasum needs a process set whose size is a power "
                              f"of two (as in Horovod); {process_set!r} has {size} ranks. Launch 1, 2, 4, "
                              f"8, ... ranks, or use op=hvd.Average.")
         self._hvddp_names = names
+        # a process's optimizers on one set count together (Average ones too): distinct names
+        self._hvddp_prefix = "adasum." if index == 0 else f"adasum{index}."
         self._hvddp_compression = compression
         self._hvddp_bpps = int(backward_passes_per_step)
         self._hvddp_process_set = process_set
@@ -54,10 +56,58 @@ class _DistributedAdasumOptimizer:
         self._hvddp_flights: Dict[torch.Tensor, tuple] = {}
         self._hvddp_active = size > 1 and process_set.included()
         self._hvddp_hooks = []
+        self._hvddp_hook_fn = _weak_hook(self)
         if self._hvddp_active:
-            hook = _weak_hook(self)
-            self._hvddp_hooks = [p.register_post_accumulate_grad_hook(hook) for p in self._hvddp_params]
+            self._hvddp_hooks = [p.register_post_accumulate_grad_hook(self._hvddp_hook_fn)
+                                 for p in self._hvddp_params]
             weakref.finalize(self, _remove, self._hvddp_hooks)
+
+    def _hvddp_track(self, p: torch.Tensor) -> None:
+        """Combine ``p``'s updates from now on (a group added, or a parameter unfrozen)."""
+        self._hvddp_params.append(p)
+        self._hvddp_delay[p] = self._hvddp_bpps
+        if self._hvddp_active:
+            self._hvddp_hooks.append(p.register_post_accumulate_grad_hook(self._hvddp_hook_fn))
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a parameter group (as the wrapped optimizer does) and combine its updates too."""
+        super().add_param_group(param_group)
+        if not hasattr(self, "_hvddp_names"):
+            return  # called from the wrapped class's __init__, before set-up
+        gi = len(self.param_groups) - 1
+        for j, p in enumerate(self.param_groups[-1]["params"]):
+            if p not in self._hvddp_names:
+                self._hvddp_names[p] = f"noname.{gi}.{j}"
+                if p.requires_grad:
+                    self._hvddp_track(p)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load as the wrapped class does, into the shared ``param_groups`` and ``state`` (so an
+        LR scheduler made on the wrapped optimizer still drives this one)."""
+        from .optimizer import load_in_place
+
+        load_in_place(self, state_dict, super().load_state_dict)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Accumulate ``passes`` backward passes before each update from now on (as Horovod's);
+        call it between ``step()`` and the next backward pass."""
+        from .optimizer import _check_passes
+
+        _check_passes(passes)
+        if self._hvddp_flights or any(d != self._hvddp_bpps for d in self._hvddp_delay.values()):
+            raise HvddpError(f"set_backward_passes_per_step({passes}): a backward pass ran since the last "
+                             f"step(). Call it right after step(), before the next backward pass.")
+        self._hvddp_bpps = int(passes)
+        for p in self._hvddp_delay:
+            self._hvddp_delay[p] = self._hvddp_bpps
+
+    @property
+    def backward_passes_per_step(self) -> int:
+        return self._hvddp_bpps
+
+    @backward_passes_per_step.setter
+    def backward_passes_per_step(self, passes: int) -> None:
+        self.set_backward_passes_per_step(passes)
 
     def _hvddp_hook(self, p: torch.Tensor) -> None:
         if self._hvddp_delay[p] <= 0:
@@ -89,7 +139,7 @@ class _DistributedAdasumOptimizer:
             p.sub_(saved)  # p holds this rank's change until step() puts the result there
         try:
             sent, ctx = self._hvddp_compression.compress(p.detach())
-            handle = allreduce_async_(sent, name=f"adasum.{self._hvddp_names[p]}", op=Adasum,
+            handle = allreduce_async_(sent, name=self._hvddp_prefix + self._hvddp_names[p], op=Adasum,
                                       process_set=self._hvddp_process_set)
         except Exception:
             with torch.no_grad():
@@ -103,19 +153,27 @@ class _DistributedAdasumOptimizer:
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
-        raise HvddpError("skip_synchronize() does not apply with op=Adasum (as in Horovod): step() "
-                         "combines the updates, not the gradients, so there is nothing to synchronize "
-                         "first. Clip gradients before step() without it.")
+        raise HvddpError("skip_synchronize() does not apply with op=Adasum (as in Horovod): each "
+                         "parameter's update is computed and sent as soon as backward accumulates its "
+                         "gradient, so gradients clipped between backward() and step() would change "
+                         "nothing. Clip inside backward (a p.register_hook on each parameter), or use "
+                         "op=hvd.Average.")
         yield  # pragma: no cover
 
     def step(self, closure=None):
         """Send every update not yet sent, wait, and set each parameter to ``saved + combined``."""
         if not self._hvddp_active:
-            return super().step(closure)
+            loss = super().step(closure)
+            self._hvddp_mark_stepped()
+            return loss
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        tracked = set(self._hvddp_params)
+        for p in self._hvddp_names:  # frozen at wrapping, trainable now (on every rank alike)
+            if p.requires_grad and p not in tracked:
+                self._hvddp_track(p)
         for p in self._hvddp_params:
             if p not in self._hvddp_flights:  # no gradient yet, or fewer passes than set: sent now
                 self._hvddp_send_delta(p)
@@ -133,13 +191,16 @@ class _DistributedAdasumOptimizer:
                 p.copy_(self._hvddp_saved[p].add_(delta))
         for p in self._hvddp_params:
             self._hvddp_delay[p] = self._hvddp_bpps
+        self._hvddp_mark_stepped()
+        if errors:
+            raise errors[0]
+        return loss
+
+    def _hvddp_mark_stepped(self) -> None:
         wrapped = getattr(self, "_hvddp_wrapped", None)
         wrapped = wrapped() if wrapped is not None else None
         if wrapped is not None:  # an LR scheduler made on it checks that it stepped (torch >= 2.2)
             wrapped._opt_called = True
-        if errors:
-            raise errors[0]
-        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients as the wrapped optimizer does.

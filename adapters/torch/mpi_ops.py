@@ -92,7 +92,8 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
         tensor: a dense tensor of a supported dtype (bool only with Min/Max).
         average: legacy flag; True means ``op=Average``, False ``op=Sum``.
         name: the name that matches this call across ranks; automatic when None.
-        op: ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        op: ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product``, or ``Adasum`` (float
+            CPU tensors on a power-of-two process set).
         prescale_factor: multiplies the input before the reduction.
         postscale_factor: multiplies the result after it.
         process_set: the ranks taking part; every rank by default.

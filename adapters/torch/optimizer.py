@@ -611,7 +611,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                              if k not in ("step", "zero_grad")})
     if adasum:
         wrapper._hvddp_adasum_setup(parameter_names(wrapper.param_groups, named_parameters), compression,
-                                    backward_passes_per_step, process_set)
+                                    backward_passes_per_step, process_set,
+                                    next(_instances.setdefault(process_set, itertools.count())))
     else:
         wrapper._hvddp_setup(named_parameters, compression, backward_passes_per_step, op,
                              gradient_predivide_factor, groups, sparse_as_dense, process_set)
