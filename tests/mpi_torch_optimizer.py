@@ -503,6 +503,8 @@ def test_bad_arguments():
         hvd.DistributedOptimizer(sgd(), named_parameters=[("w", model.fc1.weight), ("w", model.fc1.bias)])
     with pytest.raises(ValueError, match="not in it"):
         hvd.DistributedOptimizer(sgd(), named_parameters=[("w", model.fc1.weight)])
+    with pytest.raises(TypeError, match="cannot be deep-copied.*wrap the copy"):
+        copy.deepcopy(hvd.DistributedOptimizer(sgd()))
     with pytest.raises(ValueError, match="`groups`.*do not apply with op=Adasum"):
         hvd.DistributedOptimizer(sgd(), op=hvd.Adasum, groups=2)
     with pytest.raises(ValueError, match="gradient_predivide_factor applies only to op=Average"):

@@ -525,6 +525,16 @@ class _DistributedOptimizer:
         return super().zero_grad(set_to_none=set_to_none)
 
 
+def _refuse_deepcopy(self, memo):
+    raise TypeError(f"a distributed {type(self).__name__} cannot be deep-copied: it is tied to its model's "
+                    f"parameters by autograd hooks, and a copy would hold copies of the parameters "
+                    f"that nothing reduces. Deep-copy the model and the plain optimizer, then wrap the "
+                    f"copy with DistributedOptimizer on every rank; or save state_dict() instead.")
+
+
+_DistributedOptimizer.__deepcopy__ = _refuse_deepcopy
+_DistributedAdasumOptimizer.__deepcopy__ = _refuse_deepcopy
+
 # torch's Optimizer wraps ``type(self).step`` with its step-hook runner (in __init__ and again in
 # __setstate__, i.e. load_state_dict) unless it is marked; the wrapped class's own step is
 # already wrapped, so hooks would run twice.
