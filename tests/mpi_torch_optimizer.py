@@ -505,6 +505,9 @@ def test_bad_arguments():
         hvd.DistributedOptimizer(sgd(), named_parameters=[("w", model.fc1.weight)])
     with pytest.raises(TypeError, match="cannot be deep-copied.*wrap the copy"):
         copy.deepcopy(hvd.DistributedOptimizer(sgd()))
+    with pytest.raises(ValueError, match="op=Adasum combines CPU tensors only"):
+        hvd.DistributedOptimizer(torch.optim.SGD(torch.nn.Linear(2, 2, device="meta").parameters(), lr=0.1),
+                                 op=hvd.Adasum)
     with pytest.raises(ValueError, match="`groups`.*do not apply with op=Adasum"):
         hvd.DistributedOptimizer(sgd(), op=hvd.Adasum, groups=2)
     with pytest.raises(ValueError, match="gradient_predivide_factor applies only to op=Average"):

@@ -34,16 +34,26 @@ def _weak_hook(optimizer):
     return hook
 
 
+def check_adasum_set(names: Dict[torch.Tensor, str], process_set: ProcessSet) -> None:
+    """What op=Adasum needs, checked before anything is registered: CPU parameters, and a
+    process set whose size is a power of two (the same on every rank, so every rank raises)."""
+    on_device = [n for p, n in names.items() if p.device.type != "cpu"]
+    if on_device:
+        raise ValueError(f"DistributedOptimizer: op=Adasum combines CPU tensors only in hvddp; parameters "
+                         f"{on_device[:3]} are on {next(p for p in names if p.device.type != 'cpu').device}. "
+                         f"Use op=hvd.Average on the GPU.")
+    size = process_set.size()
+    if size & (size - 1):
+        raise ValueError(f"DistributedOptimizer: op=Adasum needs a process set whose size is a power "
+                         f"of two (as in Horovod); {process_set!r} has {size} ranks. Launch 1, 2, 4, "
+                         f"8, ... ranks, or use op=hvd.Average.")
+
+
 class _DistributedAdasumOptimizer:
     """Mixin put first in the wrapper's bases; see ``DistributedOptimizer(op=Adasum)``."""
 
     def _hvddp_adasum_setup(self, names: Dict[torch.Tensor, str], compression: Compressor,
                             backward_passes_per_step: int, process_set: ProcessSet, index: int) -> None:
-        size = process_set.size()
-        if size & (size - 1):
-            raise ValueError(f"DistributedOptimizer: op=Adasum needs a process set whose size is a power "
-                             f"of two (as in Horovod); {process_set!r} has {size} ranks. Launch 1, 2, 4, "
-                             f"8, ... ranks, or use op=hvd.Average.")
         self._hvddp_names = names
         # a process's optimizers on one set count together (Average ones too): distinct names
         self._hvddp_prefix = "adasum." if index == 0 else f"adasum{index}."
@@ -54,7 +64,7 @@ class _DistributedAdasumOptimizer:
         self._hvddp_delay = {p: self._hvddp_bpps for p in self._hvddp_params}
         self._hvddp_saved: Dict[torch.Tensor, torch.Tensor] = {}
         self._hvddp_flights: Dict[torch.Tensor, tuple] = {}
-        self._hvddp_active = size > 1 and process_set.included()
+        self._hvddp_active = process_set.size() > 1 and process_set.included()
         self._hvddp_hooks = []
         self._hvddp_hook_fn = _weak_hook(self)
         if self._hvddp_active:

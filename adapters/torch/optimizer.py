@@ -37,7 +37,7 @@ from hvddp.ops import _op as _check_op
 
 from ._convert import as_numpy
 from ._sparse import sparse_rows_async
-from .adasum import _DistributedAdasumOptimizer
+from .adasum import _DistributedAdasumOptimizer, check_adasum_set
 from .compression import Compression, Compressor
 from .mpi_ops import allreduce_async_, grouped_allreduce_async_
 
@@ -620,8 +620,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     wrapper.__dict__.update({k: v for k, v in optimizer.__dict__.items()
                              if k not in ("step", "zero_grad")})
     if adasum:
-        wrapper._hvddp_adasum_setup(parameter_names(wrapper.param_groups, named_parameters), compression,
-                                    backward_passes_per_step, process_set,
+        names = parameter_names(wrapper.param_groups, named_parameters)
+        check_adasum_set(names, process_set)
+        wrapper._hvddp_adasum_setup(names, compression, backward_passes_per_step, process_set,
                                     next(_instances.setdefault(process_set, itertools.count())))
     else:
         wrapper._hvddp_setup(named_parameters, compression, backward_passes_per_step, op,
