@@ -53,37 +53,54 @@ def _describe(first: list, other: list, rank: int) -> str:
 
 def reduce_group(arrays: Sequence[np.ndarray], base: str, labels: Sequence[str], op: Any,
                  prescale_factor: float, postscale_factor: float, compression: Any,
-                 process_set: Any) -> List[np.ndarray]:
+                 process_set: Any, counts: int = 0) -> List[np.ndarray]:
     """Compress, reduce as one grouped allreduce named ``base``, decompress; keep dtypes.
 
     ``base`` is fixed per caller (not derived from the tensors): ranks whose lists differ then
     meet under one name and get a ``MismatchError`` on every rank, where names derived from the
     lists would leave each rank waiting on a name the others never submit.
 
+    The last ``counts`` members are bookkeeping (which ranks have each gradient, whether local
+    gradients are finite), read as shares or as "some rank set it". They travel in the group,
+    except with ``op=Adasum``, whose result is no share: then they go uncompressed in a second
+    group, ``<base>.counts``, summed, submitted before waiting on either.
+
     Raises:
         hvddp.HvddpError: the reduction failed; a mismatch names the variables that differ.
     """
     arrays = [np.asarray(a) for a in arrays]
+    split = len(arrays) - counts if op is hvddp.Adasum and counts else len(arrays)
     compressed, ctxs = [], []
-    for a in arrays:
+    for a in arrays[:split]:
         c, ctx = compression.compress(a)
         compressed.append(c)
         ctxs.append(ctx)
-    try:
-        reduced = hvddp.grouped_allreduce(compressed, name=base, op=op, prescale_factor=prescale_factor,
-                                          postscale_factor=postscale_factor, process_set=process_set)
-    except hvddp.MismatchError as exc:  # on every rank alike: compare the lists to say where
-        message = _name_member(str(exc), base, labels)
+    handles = [hvddp.grouped_allreduce_async(compressed, name=base, op=op, prescale_factor=prescale_factor,
+                                             postscale_factor=postscale_factor, process_set=process_set)]
+    if split < len(arrays):
+        handles.append(hvddp.grouped_allreduce_async(arrays[split:], name=f"{base}.counts", op=hvddp.Sum,
+                                                     postscale_factor=postscale_factor, process_set=process_set))
+    results, mismatch = [], None
+    for handle in handles:  # wait on every handle, so none is left pending after an error
+        try:
+            out = handle.wait()
+        except hvddp.MismatchError as exc:
+            mismatch = mismatch or exc
+            continue
+        results.append(out if isinstance(out, list) else [out])  # a one-member group gives a bare array
+    if mismatch is not None:  # on every rank alike: compare the lists to say where
+        message = _name_member(str(mismatch), base, labels)
         try:
             check_same_lists(f"{base}.explain", labels, [a.shape for a in arrays],
                              [a.dtype.name for a in arrays], process_set)
         except hvddp.MismatchError as detail:
             message = f"{detail} ({message})"
         raise hvddp.MismatchError(message) from None
-    if len(compressed) == 1 and not isinstance(reduced, list):
-        reduced = [reduced]  # the core returns a bare array for a one-member group
-    return [np.asarray(compression.decompress(r, ctx), dtype=a.dtype)
-            for r, ctx, a in zip(reduced, ctxs, arrays)]
+    out = [np.asarray(compression.decompress(r, ctx), dtype=a.dtype)
+           for r, ctx, a in zip(results[0], ctxs, arrays)]
+    if split < len(arrays):
+        out += [np.asarray(r, dtype=a.dtype) for r, a in zip(results[1], arrays[split:])]
+    return out
 
 
 def _name_member(message: str, base: str, labels: Sequence[str]) -> str:
@@ -100,8 +117,13 @@ def average_factors(op: Any, gradient_predivide_factor: float, size: int):
     return hvddp.Sum, 1.0 / gradient_predivide_factor, gradient_predivide_factor / size
 
 
-def check_op(op: Any, average: Optional[bool], fn: str, default: Any = hvddp.Average) -> Any:
-    """Validate ``op``/``average`` like the core does; return a ``hvddp.ReduceOp``."""
+def check_op(op: Any, average: Optional[bool], fn: str, default: Any = hvddp.Average,
+             adasum: bool = False) -> Any:
+    """Validate ``op``/``average`` like the core does; return a ``hvddp.ReduceOp``.
+
+    ``adasum``: whether ``fn`` takes ``op=Adasum`` (allreduce, grouped_allreduce, and the
+    gradient reductions of ``DistributedGradientTape``/``DistributedOptimizer``).
+    """
     if average is not None:
         if op is not None:
             raise ValueError(f"{fn}: pass either op= or the legacy average=, not both "
@@ -112,12 +134,25 @@ def check_op(op: Any, average: Optional[bool], fn: str, default: Any = hvddp.Ave
     try:
         op = hvddp.ReduceOp(op)
     except ValueError:
-        raise ValueError(f"{fn}: op must be one of hvddp.Average, Sum, Min, Max, Product; "
-                         f"Received: op={op!r}.") from None
-    if op is hvddp.Adasum:
-        raise ValueError(f"{fn}: op=Adasum is not implemented in hvddp.keras and hvddp.tensorflow yet "
-                         f"(hvddp and hvddp.torch have it); use Average or Sum.")
+        raise ValueError(f"{fn}: op must be one of hvddp.Average, Sum, Min, Max, Product"
+                         f"{', Adasum' if adasum else ''}; Received: op={op!r}.") from None
+    if op is hvddp.Adasum and not adasum:
+        raise ValueError(f"{fn}: op=Adasum applies to allreduce, grouped_allreduce and the gradients of "
+                         f"DistributedGradientTape/DistributedOptimizer only; use Average or Sum here.")
     return op
+
+
+def check_adasum_size(process_set: Any, fn: str) -> None:
+    """Refuse ``op=Adasum`` on a process set whose size is not a power of two (as the core does at
+    submission), where the op or the optimizer is made: the size is the same on every rank, so
+    every rank raises, before any collective is submitted.
+
+    Raises:
+        ValueError: the size is not a power of two.
+    """
+    from .ops import _check_adasum_size
+
+    _check_adasum_size(process_set.size(), process_set, fn)
 
 
 def check_predivide(op: Any, gradient_predivide_factor: Any, fn: str) -> float:

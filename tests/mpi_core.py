@@ -515,17 +515,7 @@ def test_aliased_in_place_arrays_reduce_the_original_values(n):
 POWER_OF_TWO = N & (N - 1) == 0
 
 
-def adasum_reference(vectors):
-    """The pairwise tree by rank, in float64: level 1 pairs (0, 1), (2, 3), ...; then pairs of pairs."""
-    level = [v.astype(np.float64).ravel() for v in vectors]
-    tiny = np.sqrt(np.finfo(np.float64).tiny)
-    while len(level) > 1:
-        nxt = []
-        for a, b in zip(level[0::2], level[1::2]):
-            dot, aa, bb = a @ b, a @ a, b @ b
-            nxt.append((1 - dot / aa / 2 if aa >= tiny else 1.0) * a + (1 - dot / bb / 2 if bb >= tiny else 1.0) * b)
-        level = nxt
-    return level[0]
+from adasum_reference import adasum_reference  # noqa: E402
 
 
 def adasum_input(rank, n=1000, dtype="float32"):

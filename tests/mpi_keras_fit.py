@@ -641,3 +641,93 @@ def test_local_gradient_none_on_some_ranks_under_loss_scaling():
                                rtol=1e-6)
     np.testing.assert_allclose(ops.convert_to_numpy(v), np.zeros(2) if RANK == 0 else np.full(2, -0.1 / SIZE),
                                rtol=1e-6)
+
+
+# Adasum ---------------------------------------------------------------------------------------
+from adasum_reference import adasum_reference  # noqa: E402
+
+POWER_OF_TWO = SIZE & (SIZE - 1) == 0
+
+
+def rank_input(rank, shape, seed):
+    """A part common to every rank plus one of the rank's own: partly aligned across ranks."""
+    common = np.random.default_rng(seed).normal(size=shape)
+    return (common + np.random.default_rng(seed + 1 + rank).normal(size=shape)).astype("float32")
+
+
+def test_adasum_allreduce_helper():
+    """hvd.allreduce(op=Adasum) on numpy values and backend tensors is the Adasum tree; other
+    collectives refuse Adasum; at np=3 every rank refuses it (no power of two), nothing hangs."""
+    if not POWER_OF_TWO:
+        for value in (np.ones(2, "float32"), ops.ones((2,))):
+            with pytest.raises(ValueError, match="op=Adasum needs a process set whose size is a power of two"):
+                hvd.allreduce(value, op=hvd.Adasum, name="test.adasum.np3")
+        assert hvd.allgather_object(RANK, name="test.adasum.after") == list(range(SIZE))
+        return
+    want = adasum_reference([rank_input(r, (4, 3), 0) for r in range(SIZE)])
+    got_np = hvd.allreduce(rank_input(RANK, (4, 3), 0), op=hvd.Adasum, name="test.adasum.np")
+    got_t = hvd.allreduce(ops.convert_to_tensor(rank_input(RANK, (4, 3), 0)), op=hvd.Adasum, name="test.adasum.t")
+    np.testing.assert_allclose(np.asarray(got_np), want, rtol=1e-6)
+    np.testing.assert_array_equal(ops.convert_to_numpy(got_t), np.asarray(got_np))
+    assert np.abs(want - np.mean([rank_input(r, (4, 3), 0) for r in range(SIZE)], axis=0)).max() > 0.1
+    with pytest.raises(ValueError, match="op=Adasum applies to allreduce, grouped_allreduce"):
+        hvd.reducescatter(np.ones((2 * SIZE,), "float32"), op=hvd.Adasum)
+    with pytest.raises(ValueError, match="does not combine accumulated passes"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Adasum, backward_passes_per_step=2)
+    if BACKEND == "jax":  # Keras' LossScaleOptimizer.apply fails eagerly on JAX, without hvddp too
+        return
+    # under loss scaling with a local variable (the finite flag and the presence flags are summed
+    # beside the Adasum group): the shared gradient is the Adasum of the unscaled ones
+    opt = hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)), op=hvd.Adasum)
+    s, v = keras.Variable(np.zeros(5, "float32")), keras.Variable(np.zeros(2, "float32"))
+    opt.register_local_var(v)
+    opt.build([s, v])
+    scale = float(ops.convert_to_numpy(opt.scale_loss(1.0)))
+    opt.apply([ops.convert_to_tensor(rank_input(RANK, (5,), 70) * scale),
+               ops.convert_to_tensor(np.full(2, scale * (RANK + 1), "float32"))], [s, v])
+    want = -0.1 * adasum_reference([rank_input(r, (5,), 70) for r in range(SIZE)])
+    np.testing.assert_allclose(ops.convert_to_numpy(s), want, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(ops.convert_to_numpy(v), np.full(2, -0.1 * (RANK + 1) / SIZE), rtol=1e-6)
+    assert_replicas_identical([ops.convert_to_numpy(s)], "adasum.loss_scale")
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["shared", "local_layer"])
+def test_adasum_fit_step_is_the_adasum_of_the_gradients(local):
+    """model.fit with DistributedOptimizer(SGD, op=Adasum): one step moves every weight by the
+    learning rate times the Adasum tree of the ranks' own gradients (each rank's own SGD step,
+    taken without hvddp, gives its gradient); the inputs make the ranks' gradients partly aligned,
+    so that differs clearly from the average. With a local last layer (PartialDistributedOptimizer)
+    that layer moves by this rank's own gradient / size. At np=3 every rank refuses op=Adasum."""
+    make_opt = (lambda m: hvd.PartialDistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Adasum,
+                                                          local_layers=m.layers[-1])) if local else \
+        (lambda m: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Adasum))
+    model = make_model(units=4)  # with the unused weight: its gradient is None on TF/torch
+    if not POWER_OF_TWO:
+        with pytest.raises(ValueError, match="op=Adasum needs a process set whose size is a power of two"):
+            make_opt(model)
+        assert hvd.allgather_object(RANK, name=f"test.adasum.fit.{local}") == list(range(SIZE))
+        return
+    x = rank_input(RANK, (6, 5), 50)
+    y = rank_input(RANK, (6, 3), 60) + 2.0
+    initial = model.get_weights()
+    own = make_model(units=4)
+    own.set_weights(initial)
+    own.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    own.fit(x, y, batch_size=len(x), shuffle=False, verbose=0)
+    own_step = [a - b for a, b in zip(initial, own.get_weights())]
+    model.compile(optimizer=make_opt(model), loss="mse")
+    model.fit(x, y, batch_size=len(x), shuffle=False, verbose=0)
+    got = model.get_weights()
+    first_local = len(got) - len(model.layers[-1].get_weights()) if local else len(got)
+    for i, (w, start, mine) in enumerate(zip(got, initial, own_step)):
+        every = np.asarray(hvd.allgather(mine[None], name=f"test.adasum.fit.{local}.{i}"))
+        if i >= first_local:
+            np.testing.assert_allclose(w, start - mine / SIZE, rtol=1e-5, atol=1e-6, err_msg=f"weight {i}")
+            continue
+        want = adasum_reference(list(every))
+        np.testing.assert_allclose(w, start - want, rtol=1e-5, atol=1e-6, err_msg=f"weight {i}")
+        if i == 0:  # the first kernel: clearly not the average step
+            mean = every.astype(np.float64).mean(axis=0)
+            assert np.abs(want - mean).max() > 0.2 * np.abs(mean).max(), (want, mean)
+    np.testing.assert_array_equal(got[2], np.ones(3))  # the unused weight: skipped
+    assert_replicas_identical(got[:first_local], f"adasum.fit.{local}")

@@ -542,3 +542,159 @@ def test_local_sources_split_and_outside_the_set():
         hvd.remove_process_set(members)
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), scale_local_gradients=False)
     assert hvd.is_initialized() and opt is not None
+
+
+# Adasum ---------------------------------------------------------------------------------------
+from adasum_reference import adasum_reference  # noqa: E402
+
+def adasum_set():
+    """A process set of a power-of-two size: every rank, or ranks 0 and 1 of 3 (the others
+    are outside it)."""
+    if SIZE & (SIZE - 1) == 0:
+        return hvd.global_process_set, SIZE
+    return hvd.add_process_set([0, 1]), 2
+
+
+def rank_input(rank, shape, seed):
+    """Rank ``rank``'s input: a part common to every rank plus a part of its own, so the ranks'
+    vectors are partly aligned and Adasum clearly differs from the sum and the average."""
+    common = np.random.default_rng(seed).normal(size=shape)
+    return (common + np.random.default_rng(seed + 1 + rank).normal(size=shape)).astype(np.float32)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_adasum_ops_against_a_float64_tree(mode):
+    """allreduce/grouped_allreduce(op=Adasum), eagerly and in a tf.function: each tensor is the
+    Adasum tree of the ranks' tensors (per tensor, not over the group), bit-identical on every
+    rank; an IndexedSlices is combined as its dense tensor. At np=3 on a set of two."""
+    ps, n = adasum_set()
+    wrap = (lambda f: f) if mode == "eager" else tf.function
+    shapes = [(3, 2), (5,), (2, 2)]
+    mine = [rank_input(RANK, s, 10 * i) for i, s in enumerate(shapes)]
+    want = [adasum_reference([rank_input(r, s, 10 * i) for r in range(n)]) for i, s in enumerate(shapes)]
+
+    @wrap
+    def run(a, b, c):
+        one = hvd.allreduce(a, op=hvd.Adasum, name=f"t.adasum.{mode}.one", process_set=ps)
+        group = hvd.grouped_allreduce([a, b, tf.cast(c, tf.float64)], op=hvd.Adasum,
+                                      name=f"t.adasum.{mode}.group", process_set=ps)
+        sparse = hvd.allreduce(tf.IndexedSlices(b[1:4], tf.constant([0, 2, 4]), tf.constant([5])),
+                               op=hvd.Adasum, name=f"t.adasum.{mode}.sparse", process_set=ps)
+        return [one] + group + [sparse]
+
+    if ps.included():
+        for _ in range(2):
+            one, ga, gb, gc, sparse = run(*[tf.constant(m) for m in mine])
+            assert one.dtype == tf.float32 and gc.dtype == tf.float64
+            np.testing.assert_allclose(one.numpy(), want[0], rtol=1e-6)
+            np.testing.assert_array_equal(ga.numpy(), one.numpy())
+            np.testing.assert_allclose(gb.numpy(), want[1], rtol=1e-6)
+            np.testing.assert_allclose(gc.numpy(), want[2], rtol=1e-12)  # float64 throughout
+            dense = [np.zeros(5) for _ in range(n)]
+            for r in range(n):
+                dense[r][[0, 2, 4]] = rank_input(r, (5,), 10)[1:4]
+            np.testing.assert_allclose(sparse.numpy(), adasum_reference(dense), rtol=1e-6)
+        everyone = [rank_input(r, shapes[0], 0).astype(np.float64) for r in range(n)]
+        assert np.abs(want[0] - np.mean(everyone, axis=0)).max() > 0.1  # neither the average ...
+        assert np.abs(want[0] - np.sum(everyone, axis=0)).max() > 0.1  # ... nor the sum
+        every = ps_allgather(np.concatenate([one.numpy().ravel(), gb.numpy(), gc.numpy().ravel()]), ps,
+                             f"t.adasum.{mode}.same")
+        for row in every:
+            np.testing.assert_array_equal(row, every[0])  # bit-identical on every rank of the set
+    if ps is not hvd.global_process_set:
+        hvd.remove_process_set(ps)
+
+
+def ps_allgather(array, ps, name):
+    return hvd.allgather(tf.constant(np.asarray(array, dtype=np.float64)[None]), name=name,
+                         process_set=ps).numpy()
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_adasum_tape_and_optimizer(mode):
+    """DistributedGradientTape(op=Adasum): each gradient is the Adasum tree of the ranks' own
+    gradients; a registered local source keeps its own (divided by the size); the Keras
+    DistributedOptimizer from hvddp.tensorflow applies the Adasum of the gradients. Eagerly, a
+    gradient only rank 0 has is rank 0's (Adasum leaves the others' zeros out)."""
+    import keras
+
+    ps, n = adasum_set()
+    wrap = (lambda f: f) if mode == "eager" else tf.function
+    w = tf.Variable(np.linspace(-1.0, 1.0, 6, dtype="float32").reshape(3, 2), name="adasum_w")
+    b = tf.Variable(np.zeros(2, "float32"), name="adasum_b")
+    u = tf.Variable(np.ones(2, "float32"), name="adasum_local")
+
+    def inputs(rank):
+        return rank_input(rank, (4, 3), 30), rank_input(rank, (4, 2), 40) + 2.0
+
+    def loss_of(x, y):
+        return tf.reduce_mean((x @ w + b - y) ** 2) + tf.reduce_sum(u * tf.reduce_mean(x[:, :2], axis=0))
+
+    @wrap
+    def grads(x, y, distributed):
+        with tf.GradientTape() as tape:
+            loss = loss_of(x, y)
+        if distributed:
+            tape = hvd.DistributedGradientTape(tape, op=hvd.Adasum, process_set=ps)
+            tape.register_local_source(u)
+        return tape.gradient(loss, [w, b, u])
+
+    own = [[g.numpy() for g in grads(*[tf.constant(a) for a in inputs(r)], False)] for r in range(n)]
+    if ps.included():
+        got = [g.numpy() for g in grads(*[tf.constant(a) for a in inputs(RANK)], True)]
+        for i in range(2):
+            want = adasum_reference([own[r][i] for r in range(n)])
+            np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-7, err_msg=f"gradient {i}")
+            assert np.abs(want - np.mean([own[r][i] for r in range(n)], axis=0)).max() > 1e-2
+        np.testing.assert_allclose(got[2], own[RANK][2] / n, rtol=1e-6)  # local: not combined
+        every = ps_allgather(np.concatenate([got[0].ravel(), got[1]]), ps, f"t.adasum.tape.{mode}")
+        for row in every:
+            np.testing.assert_array_equal(row, every[0])
+
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.5), op=hvd.Adasum, process_set=ps)
+        v = keras.Variable(np.zeros((3, 2), "float32"))
+        apply = wrap(lambda g: opt.apply_gradients([(g, v)]))
+        apply(tf.constant(own[RANK][0]))
+        np.testing.assert_allclose(v.numpy(), -0.5 * adasum_reference([own[r][0] for r in range(n)]),
+                                   rtol=1e-5, atol=1e-7)
+        if mode == "eager":
+            only = tf.Variable([1.0, 2.0])
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(w) + (tf.reduce_sum(only * 3.0) if RANK == 0 else 0.0)
+            g_only, g_w = hvd.DistributedGradientTape(tape, op=hvd.Adasum, process_set=ps).gradient(loss, [only, w])
+            np.testing.assert_array_equal(g_only.numpy(), [3.0, 3.0])  # rank 0's, where Average halves it
+            np.testing.assert_allclose(g_w.numpy(), np.ones((3, 2)))  # equal gradients: unchanged
+    if ps is not hvd.global_process_set:
+        hvd.remove_process_set(ps)
+
+
+def test_adasum_refusals():
+    """On a size that is no power of two (np=3) every rank refuses op=Adasum where the op, the
+    tape or the optimizer is made, and nothing hangs; at every size, what Adasum does not take is
+    refused by name."""
+    import keras
+
+    if SIZE & (SIZE - 1):
+        for make in (lambda: hvd.allreduce(tf.ones([2]), op=hvd.Adasum, name="t.adasum.np3"),
+                     lambda: tf.function(lambda: hvd.grouped_allreduce([tf.ones([2])], op=hvd.Adasum))(),
+                     lambda: hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Adasum),
+                     lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Adasum)):
+            with pytest.raises(ValueError, match="op=Adasum needs a process set whose size is a power of two"):
+                make()
+        assert hvd.allgather_object(RANK, name="t.adasum.after") == list(range(SIZE))  # nobody hangs
+        return
+    with pytest.raises(ValueError, match="op=Adasum applies to allreduce, grouped_allreduce"):
+        hvd.reducescatter(tf.ones([2 * SIZE]), op=hvd.Adasum)
+    with pytest.raises(ValueError, match="op=Adasum applies to allreduce, grouped_allreduce"):
+        hvd.grouped_reducescatter([tf.ones([2 * SIZE])], op=hvd.Adasum)
+    with pytest.raises(ValueError, match="int32; op=Adasum combines floating-point"):
+        hvd.allreduce(tf.ones([2], tf.int32), op=hvd.Adasum)
+    with pytest.raises(ValueError, match="gradient_predivide_factor only applies with op=Average"):
+        hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Adasum, gradient_predivide_factor=2.0)
+    with pytest.raises(ValueError, match="does not combine accumulated passes"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Adasum, backward_passes_per_step=2)
+    x = tf.constant([1.0, 2.0])
+    with tf.GradientTape() as tape:  # no gradient through the op (Horovod's reduces dy with Adasum)
+        tape.watch(x)
+        y = tf.reduce_sum(hvd.allreduce(x, op=hvd.Adasum, name="t.adasum.nograd"))
+    assert tape.gradient(y, x) is None

@@ -159,21 +159,23 @@ def call(fn: Callable[..., List[np.ndarray]], tensors: Sequence[Any],
 
 def reduce_gradients(grads: Sequence[Any], variables: Sequence[Any], labels: Sequence[str], prefix: str,
                      op: Any, gradient_predivide_factor: float, postscale: float, compression: Any,
-                     process_set: Any) -> List[Any]:
-    """Reduce a step's (non-None) gradients as one grouped submission on the active backend."""
+                     process_set: Any, counts: int = 0) -> List[Any]:
+    """Reduce a step's (non-None) gradients as one grouped submission on the active backend; the
+    last ``counts`` are bookkeeping members (see ``_grouping.reduce_group``)."""
     backend = name()
     if backend == "tensorflow":
         from hvddp.tensorflow.ops import reduce_gradients as tf_reduce
 
         reduced = tf_reduce(grads, variables, labels, prefix, op, gradient_predivide_factor, compression,
-                            process_set)
+                            process_set, counts)
         return reduced if postscale == 1.0 else [r * postscale for r in reduced]
     def reduce(*tensors):
         size = process_set.size()
         red_op, pre, post = _grouping.average_factors(op, gradient_predivide_factor, size)
         post *= postscale
         def fn(*arrays):
-            return _grouping.reduce_group(arrays, prefix, labels, red_op, pre, post, compression, process_set)
+            return _grouping.reduce_group(arrays, prefix, labels, red_op, pre, post, compression, process_set,
+                                          counts)
 
         return call(fn, tensors)
 

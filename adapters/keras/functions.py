@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Optional
 
+import keras
 import numpy as np
 
 import hvddp
@@ -25,10 +26,17 @@ def allreduce(value: Any, name: Optional[str] = None, average: Optional[bool] = 
     is one too; usable inside ``tf.function`` and ``jax.jit``), or a numpy array or number: on
     the TensorFlow backend made ``tf.constant(value)`` as in Horovod (a ``tf.Tensor`` comes
     back), on the others the result is a numpy array.
-    Every rank makes the same call with the same name, shape and dtype. Blocks.
+    Every rank makes the same call with the same name, shape and dtype. Blocks. ``op=Adasum``
+    combines float values on a process set whose size is a power of two (else ``ValueError`` on
+    every rank, before anything is sent).
     """
-    op = _grouping.check_op(op, average, "allreduce")
+    op = _grouping.check_op(op, average, "allreduce", adasum=True)
     value = _backend.unwrap(value)
+    if op is hvddp.Adasum:
+        _grouping.check_adasum_size(process_set, "allreduce")
+        if not _backend.is_numpy(value) and "float" not in keras.backend.standardize_dtype(value.dtype):
+            raise ValueError(f"allreduce: value has dtype {keras.backend.standardize_dtype(value.dtype)}; "
+                             f"op=Adasum combines floating-point values only. Cast it first.")
     if _backend.is_numpy(value):
         c, ctx = compression.compress(np.asarray(value))
         out = hvddp.allreduce(c, name=name, op=op, prescale_factor=prescale_factor,

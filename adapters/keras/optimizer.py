@@ -81,7 +81,7 @@ class _DistributedOptimizerMixin:
                                                     for i in mine])) if mine else keras.ops.convert_to_tensor(True)
             members.append(keras.ops.reshape(keras.ops.cast(keras.ops.logical_not(finite), "float32"), (1,)))
             member_vars.append(_Member("(whether local gradients are finite)"))
-        reduced = self._hvddp_reduce(members, member_vars, settings)
+        reduced = self._hvddp_reduce(members, member_vars, settings, counts=int(check))
         out = list(grads)
         for i, g in zip(shared, reduced):
             out[i] = g
@@ -92,7 +92,10 @@ class _DistributedOptimizerMixin:
             out[i] = _scaled(out[i], keras.ops.cast(factor, _values(out[i]).dtype) if check else factor)
         return out
 
-    def _hvddp_reduce(self, grads: List[Any], variables: List[Any], settings: Dict[str, Any]) -> List[Any]:
+    def _hvddp_reduce(self, grads: List[Any], variables: List[Any], settings: Dict[str, Any],
+                      counts: int = 0) -> List[Any]:
+        """Reduce ``grads`` as one group; the last ``counts`` are bookkeeping members (see
+        ``_grouping.reduce_group``)."""
         ps = settings["process_set"]
         present = [g is not None for g in grads]
         grads = [keras.ops.zeros(v.shape, dtype=v.dtype) if g is None else g
@@ -103,9 +106,10 @@ class _DistributedOptimizerMixin:
             grads.append(keras.ops.convert_to_tensor(np.array(present + [True], dtype="float32")))
             variables = variables + [None]
             labels = labels + ["(which gradients exist)"]
+            counts += 1
         reduced = _backend.reduce_gradients(grads, variables, labels, "keras.grads", settings["op"],
                                             settings["gradient_predivide_factor"], settings["postscale"],
-                                            settings["compression"], ps)
+                                            settings["compression"], ps, counts)
         return _drop_absent(reduced[:-1], reduced[-1], present) if flagged else reduced
 
     def register_local_var(self, var) -> None:
@@ -270,14 +274,24 @@ def is_distributed(optimizer: Any) -> bool:
                                                                      _DistributedOptimizerMixin)
 
 
-def _settings(op, gradient_predivide_factor, compression, process_set, postscale=1.0) -> Dict[str, Any]:
-    op = _grouping.check_op(op, None, "DistributedOptimizer")
-    if op not in (hvddp.Average, hvddp.Sum):
-        raise ValueError(f"DistributedOptimizer: op must be hvddp.Average or hvddp.Sum; Received: op={op!r}.")
+def _settings(op, gradient_predivide_factor, compression, process_set, postscale=1.0,
+              passes: int = 1) -> Dict[str, Any]:
+    op = _grouping.check_op(op, None, "DistributedOptimizer", adasum=True)
+    if op not in (hvddp.Average, hvddp.Sum, hvddp.Adasum):
+        raise ValueError(f"DistributedOptimizer: op must be hvddp.Average, hvddp.Sum or hvddp.Adasum; "
+                         f"Received: op={op!r}.")
     factor = _grouping.check_predivide(op, gradient_predivide_factor, "DistributedOptimizer")
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"DistributedOptimizer: process_set must be an hvddp.ProcessSet; "
                         f"Received: process_set={type(process_set).__name__}.")
+    if op is hvddp.Adasum:
+        _grouping.check_adasum_size(process_set, "DistributedOptimizer")
+        if passes > 1:  # hvddp reduces every pass; Horovod combines the accumulated passes once
+            raise ValueError(f"DistributedOptimizer: op=Adasum does not combine accumulated passes in "
+                             f"hvddp (it reduces at every pass, and the Adasum of each pass summed is not "
+                             f"the Adasum of the sums, which Horovod takes); Received: op=Adasum with "
+                             f"{passes} passes per step (backward_passes_per_step or the optimizer's "
+                             f"gradient_accumulation_steps). Use 1, or op=Average.")
     if not hasattr(compression, "compress") or not hasattr(compression, "decompress"):
         raise TypeError(f"DistributedOptimizer: compression must be hvddp.Compression.none, .fp16 or .bf16; "
                         f"Received: compression={compression!r}.")
@@ -316,7 +330,11 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
         compression: ``hvddp.Compression.none``, ``.fp16`` or ``.bf16``.
         gradient_predivide_factor: divide gradients by this before the sum and by
             ``size / factor`` after (Average only).
-        op: ``hvddp.Average`` (default) or ``hvddp.Sum``.
+        op: ``hvddp.Average`` (default), ``hvddp.Sum``, or ``hvddp.Adasum``: each step's
+            gradients are combined by Adasum, per tensor, as Horovod's Keras optimizer does
+            (float gradients, a process set whose size is a power of two, one pass per step;
+            Horovod's guidance: the learning rate needs no scaling by the number of ranks).
+            Local variables' gradients are not combined, as with any op.
         backward_passes_per_step: apply the update every this many batches, accumulating
             gradients in between (Keras' ``gradient_accumulation_steps``). Gradients are still
             averaged across ranks at every batch.
@@ -328,7 +346,9 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
             process set's size, as Horovod does.
 
     Raises:
-        TypeError, ValueError: a bad argument (named in the message).
+        TypeError, ValueError: a bad argument (named in the message); with ``op=Adasum``, a
+            process set whose size is not a power of two, or more than one pass per step, on
+            every rank, before anything is reduced.
 
     Example:
         opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.001 * hvd.size()))
@@ -353,7 +373,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
                              f"{existing}; Received: backward_passes_per_step={backward_passes_per_step}.")
         target["gradient_accumulation_steps"] = backward_passes_per_step
     settings = _settings(op, gradient_predivide_factor, compression, process_set,
-                         _passes_postscale(config, average_aggregated_gradients))
+                         _passes_postscale(config, average_aggregated_gradients), _passes(config))
     settings["scale_local_gradients"] = bool(scale_local_gradients)
     if name is not None:
         config["name"] = name
@@ -404,10 +424,14 @@ def _accumulation_config(config: dict) -> dict:
     return config.get("inner_optimizer", {}).get("config", {})
 
 
+def _passes(config: dict) -> int:
+    """The batches accumulated per update (``gradient_accumulation_steps``; 1 without)."""
+    return int(_accumulation_config(config).get("gradient_accumulation_steps") or 1)
+
+
 def _passes_postscale(config: dict, average_aggregated_gradients: bool) -> float:
     """Keras averages accumulated passes; Horovod sums them unless told to average."""
-    steps = _accumulation_config(config).get("gradient_accumulation_steps") or 1
-    return 1.0 if average_aggregated_gradients else float(steps)
+    return 1.0 if average_aggregated_gradients else float(_passes(config))
 
 
 def load_model(filepath: Any, custom_optimizers: Optional[List[type]] = None,
@@ -436,8 +460,9 @@ def load_model(filepath: Any, custom_optimizers: Optional[List[type]] = None,
     model = keras.models.load_model(filepath, custom_objects=objects or None, **kwargs)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and not is_distributed(optimizer):
+        config = optimizer.get_config()
         settings = _settings(op, gradient_predivide_factor, compression, process_set,
-                             _passes_postscale(optimizer.get_config(), average_aggregated_gradients))
+                             _passes_postscale(config, average_aggregated_gradients), _passes(config))
         optimizer.__class__ = _distributed_class(type(optimizer))
         object.__setattr__(optimizer, "_hvddp", settings)
     return model

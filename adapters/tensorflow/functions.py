@@ -107,7 +107,9 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, use_locking
     """Wrap a Keras optimizer so that it averages gradients across ranks, as Horovod's
     ``horovod.tensorflow.DistributedOptimizer`` does for Keras optimizers: it is
     ``hvddp.keras.DistributedOptimizer`` (see there); ``use_locking`` is accepted and ignored.
-    TensorFlow 1's legacy optimizers do not exist in Keras 3.
+    TensorFlow 1's legacy optimizers do not exist in Keras 3. ``op=hvddp.Adasum`` combines the
+    gradients by Adasum, as Horovod's Keras optimizer does (Horovod 0.28's TensorFlow entry point
+    refuses Adasum for Keras optimizers; this one passes it on).
 
     Raises:
         TypeError: ``optimizer`` is not a ``keras.optimizers.Optimizer``.

@@ -36,14 +36,15 @@ class _DistributedGradientTapeMixin:
 
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
-        """Return the gradients of ``target``, averaged across ranks.
+        """Return the gradients of ``target``, averaged across ranks (or summed, or combined by
+        Adasum: the tape's ``op``).
 
         Same arguments as ``tf.GradientTape.gradient``. Every rank must call it with the same
         sources (same shapes and dtypes). A ``None`` gradient is reduced as zeros, so where
-        another rank has a gradient this rank gets the average; one that no rank had stays
-        ``None`` (an optimizer then skips it, as in one process). Inside a ``tf.function`` a
-        gradient that is ``None`` on some ranks only raises on every rank. Sparse gradients
-        (``tf.IndexedSlices``) are reduced as dense ones.
+        another rank has a gradient this rank gets the average (Adasum leaves the zeros out: the
+        others' combination); one that no rank had stays ``None`` (an optimizer then skips it, as
+        in one process). Inside a ``tf.function`` a gradient that is ``None`` on some ranks only
+        raises on every rank. Sparse gradients (``tf.IndexedSlices``) are reduced as dense ones.
 
         Gradients of sources registered with ``register_local_source`` are not reduced: they
         come back as this rank's own, divided by the process set's size when the tape was made
@@ -72,7 +73,7 @@ class _DistributedGradientTapeMixin:
                                               [flat_sources[i] for i in shared] + [flags],
                                               labels + ["(which gradients exist)"], "tf.grads", settings["op"],
                                               settings["gradient_predivide_factor"], settings["compression"],
-                                              ps)
+                                              ps, counts=1)
         reduced = drop_absent(reduced[:-1], reduced[-1], present, "hvddp.tensorflow.DistributedGradientTape")
         out = list(flat_grads)
         for i, g in zip(shared, reduced):
@@ -122,7 +123,7 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
                             num_groups: int = 0, groups: Any = None,
                             process_set: ProcessSet = global_process_set,
                             scale_local_gradients: bool = True) -> tf.GradientTape:
-    """Wrap ``gradtape`` so that ``gradient()`` averages the gradients across ranks.
+    """Wrap ``gradtape`` so that ``gradient()`` averages the gradients across ranks (``op``).
 
     The result is a ``tf.GradientTape`` (of a subclass of the tape's class) sharing the tape's
     recording; wrap it after the ``with`` block, or wrap a fresh tape and enter the wrapper.
@@ -133,13 +134,20 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
         device_dense, device_sparse, sparse_as_dense, num_groups, groups: accepted for Horovod
             compatibility; hvddp always reduces one dense group per ``gradient()`` call.
         compression: ``hvddp.Compression.none``, ``.fp16`` or ``.bf16``.
-        op: ``hvddp.Average`` (default) or ``hvddp.Sum``.
+        op: ``hvddp.Average`` (default), ``hvddp.Sum``, or ``hvddp.Adasum``: the gradients are
+            combined by Adasum (as Horovod's tape does), per tensor, which needs a process set
+            whose size is a power of two (Horovod's guidance: the learning rate needs no
+            scaling by the number of ranks). Local sources are not combined, as with any op.
         gradient_predivide_factor: divide by this before the sum and by ``size / factor`` after
             (Average only).
         process_set: the ranks that average.
         scale_local_gradients: divide the gradients of sources registered with
             ``tape.register_local_source(variable)`` (kept local, not reduced) by the process
             set's size, as Horovod does.
+
+    Raises:
+        TypeError, ValueError: a bad argument (``op=Adasum`` on a process set whose size is not a
+            power of two raises ``ValueError`` here, on every rank, before anything is reduced).
 
     Example:
         with tf.GradientTape() as tape:
@@ -152,11 +160,13 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
                         f"gradtape={type(gradtape).__name__}.")
     if isinstance(gradtape, _DistributedGradientTapeMixin):
         raise ValueError("DistributedGradientTape: this tape is already distributed; wrap it once.")
-    op = _grouping.check_op(op, None, "DistributedGradientTape")
-    if op not in (hvddp.Average, hvddp.Sum):
-        raise ValueError(f"DistributedGradientTape: op must be hvddp.Average or hvddp.Sum; "
+    op = _grouping.check_op(op, None, "DistributedGradientTape", adasum=True)
+    if op not in (hvddp.Average, hvddp.Sum, hvddp.Adasum):
+        raise ValueError(f"DistributedGradientTape: op must be hvddp.Average, hvddp.Sum or hvddp.Adasum; "
                          f"Received: op={op!r}.")
     factor = _grouping.check_predivide(op, gradient_predivide_factor, "DistributedGradientTape")
+    if op is hvddp.Adasum:
+        _grouping.check_adasum_size(process_set, "DistributedGradientTape")
     base = type(gradtape)
     cls = _classes.get(base)
     if cls is None:

@@ -112,29 +112,35 @@ def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "
     scale factors. Blocks until every rank has contributed (inside a ``tf.function``, when the
     op executes). A size-1 run returns ``postscale * prescale * tensor`` (Average: the tensor).
     ``tf.IndexedSlices`` are reduced as dense tensors. The gradient of an Average (Sum) allreduce
-    is the Average (Sum) allreduce of the incoming gradient with the same scale factors.
+    is the Average (Sum) allreduce of the incoming gradient with the same scale factors; the
+    other ops have none (``None``, where Horovod reduces the incoming gradient with the same op,
+    which is not the derivative of Min, Max, Product or Adasum).
 
     Args:
         tensor: a ``tf.Tensor`` (or anything ``tf.convert_to_tensor`` takes).
         average: legacy flag; True is ``op=Average``, False ``op=Sum``.
         device_dense, device_sparse: accepted for Horovod compatibility; ignored.
         compression: ``hvddp.Compression.none``, ``.fp16`` or ``.bf16``, applied around the reduction.
-        op: ``hvddp.Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        op: ``hvddp.Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product``, or ``Adasum``
+            (float tensors on a process set whose size is a power of two; see the core's
+            ``hvddp.allreduce``). Sparse tensors are combined as dense ones with every op.
         prescale_factor, postscale_factor: multiply the input before and the result after.
         name: the name that matches this op across ranks (see the module docstring when None).
         process_set: the ranks taking part.
 
     Raises:
-        ValueError: a bad argument, or the op is traced under XLA.
+        ValueError: a bad argument (Adasum: a size that is no power of two, or a tensor that is
+            not floating-point, on every rank when the op is made), or the op is traced under XLA.
         hvddp.MismatchError (eagerly; wrapped in a ``tf.errors`` error in graphs): ranks disagree.
 
     Example:
         mean = hvddp.tensorflow.allreduce(tf.constant([1.0 * hvd.rank()]), name="mean_rank")
     """
-    op = _grouping.check_op(op, average, "allreduce")
+    op = _grouping.check_op(op, average, "allreduce", adasum=True)
     pre = float(prescale_factor)
     post = float(postscale_factor)
     tensor = _dense(tensor, "allreduce")
+    _check_adasum(op, [tensor], process_set, "allreduce")
     name = _name(name, "allreduce", process_set)
     _check_xla("allreduce")
     if op not in (hvddp.Average, hvddp.Sum):
@@ -151,9 +157,9 @@ def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "
 
 
 def _grouped_raw(tensors: List[tf.Tensor], base: str, labels: Sequence[str], op, pre, post, compression,
-                 process_set) -> List[tf.Tensor]:
+                 process_set, counts: int = 0) -> List[tf.Tensor]:
     def body(*xs):
-        return _grouping.reduce_group(xs, base, labels, op, pre, post, compression, process_set)
+        return _grouping.reduce_group(xs, base, labels, op, pre, post, compression, process_set, counts)
 
     outs = _outputs(_py(body, tensors, [t.dtype for t in tensors], "HvddpGroupedAllreduce"))
     for o, t in zip(outs, tensors):
@@ -168,12 +174,14 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, de
                       name: Optional[str] = None) -> List[tf.Tensor]:
     """Reduce a list of tensors as one atomic group (one op, one engine submission).
 
-    Members are named ``<name>.<i>``. Same contract as ``allreduce`` for each member.
+    Members are named ``<name>.<i>``. Same contract as ``allreduce`` for each member (Adasum:
+    coefficients per member).
     """
-    op = _grouping.check_op(op, average, "grouped_allreduce")
+    op = _grouping.check_op(op, average, "grouped_allreduce", adasum=True)
     tensors = [_dense(t, "grouped_allreduce") for t in tensors]
     if not tensors:
         return []
+    _check_adasum(op, tensors, process_set, "grouped_allreduce")
     name = _name(name, "grouped_allreduce", process_set)
     _check_xla("grouped_allreduce")
     pre, post = float(prescale_factor), float(postscale_factor)
@@ -191,13 +199,28 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, de
     return list(_op(*tensors))
 
 
+def _check_adasum(op: Any, tensors: Sequence[tf.Tensor], process_set: ProcessSet, fn: str) -> None:
+    """What the core refuses for Adasum at submission, refused when the op is made (so also when
+    a ``tf.function`` is traced, not as a ``tf.errors`` error when it runs)."""
+    if op is not hvddp.Adasum:
+        return
+    _grouping.check_adasum_size(process_set, fn)
+    for i, t in enumerate(tensors):
+        if not t.dtype.is_floating:
+            arg = f"tensors[{i}]" if fn.startswith("grouped") else "tensor"
+            raise ValueError(f"{fn}: {arg} has dtype {t.dtype.name}; op=Adasum combines floating-point "
+                             f"tensors only (float16, bfloat16, float32, float64). Cast it first.")
+
+
 def reduce_gradients(grads: Sequence[Any], sources: Sequence[Any], labels: Sequence[str], prefix: str,
                      op: Any, gradient_predivide_factor: float, compression: Any,
-                     process_set: ProcessSet) -> List[tf.Tensor]:
-    """Average a step's gradients as one grouped submission named ``prefix``.
+                     process_set: ProcessSet, counts: int = 0) -> List[tf.Tensor]:
+    """Average (or Sum, or Adasum) a step's gradients as one grouped submission named ``prefix``.
 
-    ``None`` gradients are reduced as zeros (every rank submits the same names), so the result
-    is never ``None``. Used by ``DistributedGradientTape`` and ``hvddp.keras``.
+    ``None`` gradients are reduced as zeros (every rank submits the same names; Adasum leaves a
+    rank's zeros out), so the result is never ``None``. The last ``counts`` members are
+    bookkeeping (see ``_grouping.reduce_group``). Used by ``DistributedGradientTape`` and
+    ``hvddp.keras``.
     """
     _check_xla("DistributedGradientTape/DistributedOptimizer")
     dense = []
@@ -210,7 +233,7 @@ def reduce_gradients(grads: Sequence[Any], sources: Sequence[Any], labels: Seque
         return []
     size = _size(process_set)
     red_op, pre, post = _grouping.average_factors(op, gradient_predivide_factor, size)
-    return _grouped_raw(dense, prefix, labels, red_op, pre, post, compression, process_set)
+    return _grouped_raw(dense, prefix, labels, red_op, pre, post, compression, process_set, counts)
 
 
 def drop_absent(reduced: List[Any], flags: Any, present: List[bool], who: str) -> List[Any]:

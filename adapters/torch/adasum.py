@@ -42,11 +42,9 @@ def check_adasum_set(names: Dict[torch.Tensor, str], process_set: ProcessSet) ->
         raise ValueError(f"DistributedOptimizer: op=Adasum combines CPU tensors only in hvddp; parameters "
                          f"{on_device[:3]} are on {next(p for p in names if p.device.type != 'cpu').device}. "
                          f"Use op=hvd.Average on the GPU.")
-    size = process_set.size()
-    if size & (size - 1):
-        raise ValueError(f"DistributedOptimizer: op=Adasum needs a process set whose size is a power "
-                         f"of two (as in Horovod); {process_set!r} has {size} ranks. Launch 1, 2, 4, "
-                         f"8, ... ranks, or use op=hvd.Average.")
+    from hvddp.ops import _check_adasum_size
+
+    _check_adasum_size(process_set.size(), process_set, "DistributedOptimizer")
 
 
 class _DistributedAdasumOptimizer:
