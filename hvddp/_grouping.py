@@ -80,14 +80,19 @@ def reduce_group(arrays: Sequence[np.ndarray], base: str, labels: Sequence[str],
     if split < len(arrays):
         handles.append(hvddp.grouped_allreduce_async(arrays[split:], name=f"{base}.counts", op=hvddp.Sum,
                                                      postscale_factor=postscale_factor, process_set=process_set))
-    results, mismatch = [], None
+    results, mismatch, failure = [], None, None
     for handle in handles:  # wait on every handle, so none is left pending after an error
         try:
             out = handle.wait()
         except hvddp.MismatchError as exc:
             mismatch = mismatch or exc
             continue
+        except Exception as exc:  # any other failure: still wait for the rest, then raise it
+            failure = failure or exc
+            continue
         results.append(out if isinstance(out, list) else [out])  # a one-member group gives a bare array
+    if failure is not None and mismatch is None:
+        raise failure
     if mismatch is not None:  # on every rank alike: compare the lists to say where
         message = _name_member(str(mismatch), base, labels)
         try:
