@@ -10,10 +10,11 @@ binary tree by rank, as Horovod's does: at level 1 each rank pairs with ``rank ^
 pair with the next pair (``rank ^ 2``), and so on, so the process set's size must be a power of
 two. Here the partners swap whole buffers at each level (Horovod halves them, which moves fewer
 bytes at large sizes; the tree and the formula are the same). The dot product and the norms are
-taken per tensor, in float64; a norm below sqrt(DBL_MIN) leaves its coefficient at 1 (so a
-joined rank's zeros change nothing). The lower-ranked side of each pair computes the three sums
-and sends them to its partner, so both sides apply the same coefficients to the same operands
-in the same order and stay bit-identical.
+taken per tensor, in float64, 64K elements at a time (so the float64 temporaries stay small
+however large the tensor); a norm below sqrt(DBL_MIN) leaves its coefficient at 1 (so a joined
+rank's zeros change nothing). The lower-ranked side of each pair computes the three sums and
+sends them to its partner, so both sides apply the same coefficients to the same operands in the
+same order and stay bit-identical. Memory: one receive buffer the size of the batch.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from mpi4py import MPI
 
 _TAG = 0x4ADA  # the engine's communicators carry no other point-to-point traffic
 _TINY = float(np.sqrt(sys.float_info.min))
+_PIECE = 1 << 16  # elements per float64 temporary (512 KiB)
 
 
 def combine(comm: MPI.Comm, buf: np.ndarray, counts: Sequence[int], chunk_bytes: int) -> None:
@@ -51,23 +53,29 @@ def combine(comm: MPI.Comm, buf: np.ndarray, counts: Sequence[int], chunk_bytes:
             comm.Recv([sums, MPI.DOUBLE], source=peer, tag=_TAG)
         start = 0
         for (dot, left_sq, right_sq), n in zip(sums.tolist(), counts):
-            stop = start + n
-            a = left[start:stop].astype(np.float64)
-            b = right[start:stop].astype(np.float64)
-            a *= 1.0 - dot / left_sq * 0.5 if left_sq >= _TINY else 1.0
-            b *= 1.0 - dot / right_sq * 0.5 if right_sq >= _TINY else 1.0
-            a += b
-            buf[start:stop] = a
-            start = stop
+            ca = 1.0 - dot / left_sq * 0.5 if left_sq >= _TINY else 1.0
+            cb = 1.0 - dot / right_sq * 0.5 if right_sq >= _TINY else 1.0
+            for at in range(start, start + n, _PIECE):  # float64 a piece at a time: bounded memory
+                stop = min(at + _PIECE, start + n)
+                a = left[at:stop].astype(np.float64)
+                a *= ca
+                a += cb * right[at:stop].astype(np.float64)
+                buf[at:stop] = a
+            start += n
         level <<= 1
 
 
 def _sums(left: np.ndarray, right: np.ndarray, counts: Sequence[int], out: np.ndarray) -> None:
     start = 0
     for i, n in enumerate(counts):
-        a = left[start:start + n].astype(np.float64)
-        b = right[start:start + n].astype(np.float64)
-        out[i] = (np.dot(a, b), np.dot(a, a), np.dot(b, b))
+        dot = left_sq = right_sq = 0.0
+        for at in range(start, start + n, _PIECE):
+            a = left[at:min(at + _PIECE, start + n)].astype(np.float64)
+            b = right[at:min(at + _PIECE, start + n)].astype(np.float64)
+            dot += float(np.dot(a, b))
+            left_sq += float(np.dot(a, a))
+            right_sq += float(np.dot(b, b))
+        out[i] = (dot, left_sq, right_sq)
         start += n
 
 
