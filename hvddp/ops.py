@@ -158,12 +158,10 @@ def _factor(value: Any, fn: str, arg: str) -> float:
 def _check_reduce(array: np.ndarray, op: ReduceOp, fn: str, arg: str = "tensor",
                   pre: float = 1.0, post: float = 1.0) -> None:
     if op is ReduceOp.ADASUM:
-        if isinstance(array, _device.DeviceInput):
-            raise ValueError(f"{fn}: {arg} is on the GPU, and op=Adasum runs on CPU arrays only in "
-                             f"hvddp; reduce a host copy, or use Average.")
-        if _DTYPE_NAMES[array.dtype] not in ADASUM_DTYPES:
-            raise ValueError(f"{fn}: {arg} has dtype {_DTYPE_NAMES[array.dtype]}; op=Adasum combines "
-                             f"floating-point tensors only ({', '.join(ADASUM_DTYPES)}). Cast it first.")
+        dtype = array.dtype_name if isinstance(array, _device.DeviceInput) else _DTYPE_NAMES[array.dtype]
+        if dtype not in ADASUM_DTYPES:
+            raise ValueError(f"{fn}: {arg} has dtype {dtype}; op=Adasum combines floating-point tensors "
+                             f"only ({', '.join(ADASUM_DTYPES)}). Cast it first.")
         return
     if array.dtype.kind == "b":
         if op not in (Min, Max):

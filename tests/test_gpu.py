@@ -495,10 +495,11 @@ def test_device_executor_single_rank_nccl_and_staging():
         assert not failures + more, (ops, failures[:5], more[:5])
 
 
-def test_public_collectives_on_device_arrays(kernel_library):
-    """hvddp.allreduce & co. on device arrays through the real engine, once ops.py routes them."""
+@pytest.mark.parametrize("path", ["NCCL", "MPI"])
+def test_public_collectives_on_device_arrays(kernel_library, path):
+    """hvddp.allreduce & co. on device arrays through the real engine, on either GPU path."""
     result = mpirun.run(2, [os.path.join(mpirun.ROOT, "tests", "mpi_gpu_wired.py")], timeout=120,
-                        env={"HVDDP_FAKE_KERNELS": kernel_library})
+                        env={"HVDDP_FAKE_KERNELS": kernel_library, "HVDDP_GPU_OPERATIONS": path})
     if "NOT WIRED" in result.stdout:
         pytest.skip("hvddp.ops does not route device arrays to the GPU executor yet")
     assert result.stdout.count("WIRED OK") == 2, result.stdout

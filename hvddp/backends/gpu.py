@@ -268,7 +268,8 @@ class GpuExecutor:
         ps = self.process_sets[request0.ps_id]
         with cupy.cuda.Device(device_id):
             stream = self.stream(device_id)
-            comm = self.nccl.comm(request0.ps_id, ps, device_id) if self.path == "NCCL" else None
+            comm = (self.nccl.comm(request0.ps_id, ps, device_id)
+                    if self.path == "NCCL" and request0.op != ReduceOp.ADASUM else None)
             outputs = []
             for request, entry, _ in items:
                 if entry is None:
@@ -285,8 +286,9 @@ class GpuExecutor:
             keep: List[Any] = [items, outputs]
             isz = ITEMSIZE[wire]
             request, entry, _ = items[0]
+            adasum = request0.op == ReduceOp.ADASUM  # staged through the host: NCCL has no Adasum
             if (len(items) == 1 and entry is not None and wire == request.dtype
-                    and self.path == "NCCL"):
+                    and self.path == "NCCL" and not adasum):
                 # one tensor: reduced from its own memory into the output, no fusion copies
                 count = outputs[0].size
                 plan = make_plan([count], wire)
@@ -315,7 +317,9 @@ class GpuExecutor:
                                                      [fused[i] for i in sub], pre, stream))
                 averaged = False
                 if plan.total:
-                    if comm is not None:
+                    if adasum:
+                        self._staged_adasum(ps, buf[:plan.total], wire, counts, stream)
+                    elif comm is not None:
                         averaged = self.nccl.allreduce(comm, base, base, plan.total, wire,
                                                        request0.op, stream)
                     else:
@@ -344,6 +348,17 @@ class GpuExecutor:
         buf.get(stream=stream, out=host)  # async into pinned memory
         stream.synchronize()
         self.mpi.allreduce_inplace(ps.comm, host, op, self.config.mpi_chunk_bytes)
+        buf.set(host, stream=stream)
+
+    def _staged_adasum(self, ps, buf, wire: str, counts: List[int], stream) -> None:
+        """Device buffer -> pinned host -> Adasum over MPI (``backends.adasum``) -> device."""
+        from . import adasum
+
+        host = self._host_buffer(wire, buf.size)
+        buf.get(stream=stream, out=host)
+        stream.synchronize()
+        values = host.view(_bfloat16()) if wire == "bfloat16" else host  # (stored as uint16 bits)
+        adasum.combine(ps.comm, values, counts, self.config.mpi_chunk_bytes)
         buf.set(host, stream=stream)
 
     # Other collectives -------------------------------------------------------------------
@@ -491,3 +506,9 @@ def _bits(array: np.ndarray) -> np.ndarray:
     if array.dtype.name == "bfloat16":
         return array.view(np.uint16)
     return array
+
+
+def _bfloat16():
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)

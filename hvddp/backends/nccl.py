@@ -37,7 +37,7 @@ def nccl_op(op: int, wire: str, version: int) -> Tuple[str, bool]:
     """
     op = ReduceOp(op)
     if op is ReduceOp.ADASUM:
-        raise HvddpError("Adasum is not implemented on the GPU path.")
+        raise HvddpError("NCCL has no Adasum: the GPU executor stages it through the host instead.")
     if op is ReduceOp.AVERAGE and wire.startswith(("float", "bfloat")) and version >= NCCL_AVG_VERSION:
         return "NCCL_AVG", True
     return _OP_NAMES[op], False
