@@ -704,6 +704,16 @@ def torch_ops_worker(comm, rank, size):
                                  name="t.grouped")
     check("grouped_allreduce float32", outs[0], np.full((5, 3), ranks.sum()))
     check("grouped_allreduce float16", outs[1], np.full((7,), size))
+    # Adasum, staged through the host on a GPU: the pairwise tree of ranks, against float64
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from adasum_reference import adasum_reference
+
+    def adasum_input(r):
+        return np.random.default_rng(5).standard_normal(40) + 0.7 * np.random.default_rng(6 + r).standard_normal(40)
+
+    got = hvd.allreduce(torch.tensor(adasum_input(rank), dtype=torch.float32, device=device), op=hvd.Adasum,
+                        name="t.adasum")
+    check("allreduce Adasum float32", got, adasum_reference([adasum_input(r) for r in ranks]), exact=False)
     send = torch.arange(2 * size, dtype=torch.float32, device=device) + 100 * rank
     got = hvd.alltoall(send, name="t.alltoall")
     check("alltoall", got, np.concatenate([np.arange(2 * rank, 2 * rank + 2) + 100 * r for r in ranks]))
@@ -742,7 +752,7 @@ def torch_ops_worker(comm, rank, size):
     if rank == 0:
         path = os.environ.get("HVDDP_GPU_OPERATIONS", "NCCL") if cuda else "CPU stand-in"
         emit(f"hvddp.torch collectives on {device.type} tensors np={size} ({path}): {checks} checks, "
-             f"8 dtypes, async, grouped, in place, backward, SyncBatchNorm, optimizer state", not failures, "; ".join(failures[:5]))
+             f"8 dtypes, async, grouped, in place, Adasum, backward, SyncBatchNorm, optimizer state", not failures, "; ".join(failures[:5]))
     hvd.shutdown()
 
 
