@@ -106,9 +106,11 @@ def main() -> int:
             common = np.random.default_rng(seed).standard_normal(n)
             return (common + 0.7 * np.random.default_rng(seed + 1 + r).standard_normal(n)).astype(np.float32)
 
-        got = hvddp.grouped_allreduce([dev(part(rank, 70000, 5)), dev(part(rank, 9, 50))], name="wired.adasum",
+        # sizes that leave gaps between the fused buffer's aligned offsets
+        shapes = [(3, 5), (70001, 15), (9, 50), (1, 60)]
+        got = hvddp.grouped_allreduce([dev(part(rank, n, seed)) for n, seed in shapes], name="wired.adasum",
                                       op=hvddp.Adasum, postscale_factor=2.0)
-        for out, (n, seed) in zip(got, [(70000, 5), (9, 50)]):
+        for out, (n, seed) in zip(got, shapes):
             want = 2.0 * adasum_reference([part(r, n, seed) for r in range(size)])
             assert np.allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5), (n, np.abs(np.asarray(out) - want).max())
         bits = hvddp.allgather_object(np.asarray(got[0]).tobytes(), name="wired.adasum.bits")

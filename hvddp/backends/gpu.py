@@ -318,7 +318,7 @@ class GpuExecutor:
                 averaged = False
                 if plan.total:
                     if adasum:
-                        self._staged_adasum(ps, buf[:plan.total], wire, counts, stream)
+                        self._staged_adasum(ps, buf[:plan.total], wire, plan, stream)
                     elif comm is not None:
                         averaged = self.nccl.allreduce(comm, base, base, plan.total, wire,
                                                        request0.op, stream)
@@ -350,15 +350,24 @@ class GpuExecutor:
         self.mpi.allreduce_inplace(ps.comm, host, op, self.config.mpi_chunk_bytes)
         buf.set(host, stream=stream)
 
-    def _staged_adasum(self, ps, buf, wire: str, counts: List[int], stream) -> None:
-        """Device buffer -> pinned host -> Adasum over MPI (``backends.adasum``) -> device."""
+    def _staged_adasum(self, ps, buf, wire: str, plan, stream) -> None:
+        """Device buffer -> pinned host -> Adasum over MPI (``backends.adasum``) -> device.
+
+        The fused buffer starts every tensor on an aligned offset: the gaps go to the Adasum as
+        tensors of their own, zeroed first (zeros stay zeros), so each tensor keeps its own sums.
+        """
         from . import adasum
 
         host = self._host_buffer(wire, buf.size)
         buf.get(stream=stream, out=host)
         stream.synchronize()
         values = host.view(_bfloat16()) if wire == "bfloat16" else host  # (stored as uint16 bits)
-        adasum.combine(ps.comm, values, counts, self.config.mpi_chunk_bytes)
+        layout = []
+        ends = list(plan.offsets[1:]) + [plan.total]
+        for start, n, end in zip(plan.offsets, plan.counts, ends):
+            values[start + n:end] = 0
+            layout += [n, end - start - n]
+        adasum.combine(ps.comm, values, layout, self.config.mpi_chunk_bytes)
         buf.set(host, stream=stream)
 
     # Other collectives -------------------------------------------------------------------
