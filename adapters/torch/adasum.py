@@ -19,19 +19,9 @@ import torch
 
 from hvddp import Adasum, HvddpError, ProcessSet
 
+from ._wrapper import WrapperCommon, check_passes, remove_hooks, weak_hook
 from .compression import Compressor
 from .mpi_ops import allreduce_async_, synchronize
-
-
-def _weak_hook(optimizer):
-    ref = weakref.ref(optimizer)
-
-    def hook(p: torch.Tensor) -> None:
-        opt = ref()
-        if opt is not None:
-            opt._hvddp_hook(p)
-
-    return hook
 
 
 def check_adasum_set(names: Dict[torch.Tensor, str], process_set: ProcessSet) -> None:
@@ -47,7 +37,7 @@ def check_adasum_set(names: Dict[torch.Tensor, str], process_set: ProcessSet) ->
     _check_adasum_size(process_set.size(), process_set, "DistributedOptimizer")
 
 
-class _DistributedAdasumOptimizer:
+class _DistributedAdasumOptimizer(WrapperCommon):
     """Mixin put first in the wrapper's bases; see ``DistributedOptimizer(op=Adasum)``."""
 
     def _hvddp_adasum_setup(self, names: Dict[torch.Tensor, str], compression: Compressor,
@@ -64,11 +54,11 @@ class _DistributedAdasumOptimizer:
         self._hvddp_flights: Dict[torch.Tensor, tuple] = {}
         self._hvddp_active = process_set.size() > 1 and process_set.included()
         self._hvddp_hooks = []
-        self._hvddp_hook_fn = _weak_hook(self)
+        self._hvddp_hook_fn = weak_hook(self)
         if self._hvddp_active:
             self._hvddp_hooks = [p.register_post_accumulate_grad_hook(self._hvddp_hook_fn)
                                  for p in self._hvddp_params]
-            weakref.finalize(self, _remove, self._hvddp_hooks)
+            weakref.finalize(self, remove_hooks, self._hvddp_hooks)
 
     def _hvddp_track(self, p: torch.Tensor) -> None:
         """Combine ``p``'s updates from now on (a group added, or a parameter unfrozen)."""
@@ -89,33 +79,16 @@ class _DistributedAdasumOptimizer:
                 if p.requires_grad:
                     self._hvddp_track(p)
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load as the wrapped class does, into the shared ``param_groups`` and ``state`` (so an
-        LR scheduler made on the wrapped optimizer still drives this one)."""
-        from .optimizer import load_in_place
-
-        load_in_place(self, state_dict, super().load_state_dict)
-
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Accumulate ``passes`` backward passes before each update from now on (as Horovod's);
         call it between ``step()`` and the next backward pass."""
-        from .optimizer import _check_passes
-
-        _check_passes(passes)
+        check_passes(passes)
         if self._hvddp_flights or any(d != self._hvddp_bpps for d in self._hvddp_delay.values()):
             raise HvddpError(f"set_backward_passes_per_step({passes}): a backward pass ran since the last "
                              f"step(). Call it right after step(), before the next backward pass.")
         self._hvddp_bpps = int(passes)
         for p in self._hvddp_delay:
             self._hvddp_delay[p] = self._hvddp_bpps
-
-    @property
-    def backward_passes_per_step(self) -> int:
-        return self._hvddp_bpps
-
-    @backward_passes_per_step.setter
-    def backward_passes_per_step(self, passes: int) -> None:
-        self.set_backward_passes_per_step(passes)
 
     def _hvddp_hook(self, p: torch.Tensor) -> None:
         if self._hvddp_delay[p] <= 0:
@@ -204,12 +177,6 @@ class _DistributedAdasumOptimizer:
             raise errors[0]
         return loss
 
-    def _hvddp_mark_stepped(self) -> None:
-        wrapped = getattr(self, "_hvddp_wrapped", None)
-        wrapped = wrapped() if wrapped is not None else None
-        if wrapped is not None:  # an LR scheduler made on it checks that it stepped (torch >= 2.2)
-            wrapped._opt_called = True
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients as the wrapped optimizer does.
 
@@ -225,8 +192,3 @@ class _DistributedAdasumOptimizer:
 
 
 _DistributedAdasumOptimizer.step.hooked = True  # type: ignore[attr-defined]  (see optimizer.py)
-
-
-def _remove(handles: list) -> None:
-    for h in handles:
-        h.remove()

@@ -11,7 +11,7 @@ import hvddp
 from hvddp import ProcessSet, global_process_set
 
 from .mpi_ops import broadcast_async_, synchronize
-from .optimizer import load_in_place
+from ._wrapper import load_in_place
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
            "allgather_object"]

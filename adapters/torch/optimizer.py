@@ -26,7 +26,7 @@ import numbers
 import os
 import warnings
 import weakref
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -37,6 +37,7 @@ from hvddp.ops import _op as _check_op
 
 from ._convert import as_numpy
 from ._sparse import sparse_rows_async
+from ._wrapper import WrapperCommon, check_passes, remove_hooks, weak_hook
 from .adasum import _DistributedAdasumOptimizer, check_adasum_set
 from .compression import Compression, Compressor
 from .mpi_ops import allreduce_async_, grouped_allreduce_async_
@@ -62,24 +63,6 @@ def _defer_cpu_gradients() -> bool:
         return len(os.sched_getaffinity(0)) == 1  # no core for the engine to overlap on
     except (AttributeError, OSError):  # not Linux
         return False
-
-
-def load_in_place(optimizer: torch.optim.Optimizer, state_dict: dict, load: Callable[[dict], None]) -> None:
-    """``load(state_dict)``, then move what it loaded into the optimizer's previous
-    ``param_groups`` list, group dicts and ``state`` mapping: torch's ``load_state_dict`` makes
-    new ones, which would cut off whatever shares the old (a DistributedOptimizer and the
-    optimizer it wraps, an LR scheduler holding either)."""
-    groups, state = optimizer.param_groups, optimizer.state
-    load(state_dict)
-    if optimizer.param_groups is not groups:
-        for old, new in zip(groups, optimizer.param_groups):
-            old.clear()
-            old.update(new)
-        optimizer.param_groups = groups
-    if optimizer.state is not state:
-        state.clear()
-        state.update(optimizer.state)
-        optimizer.state = state
 
 
 def parameter_names(param_groups: list, named_parameters) -> Dict[torch.Tensor, str]:
@@ -142,30 +125,7 @@ class _Flight:
                 p.grad.copy_(value)
 
 
-def _check_passes(passes: Any) -> None:
-    if isinstance(passes, bool) or not isinstance(passes, numbers.Integral):
-        raise TypeError(f"`backward_passes_per_step` must be an int >= 1, got {type(passes).__name__} {passes!r}.")
-    if passes < 1:
-        raise ValueError(f"`backward_passes_per_step` must be >= 1, got {passes}.")
-
-
-def _weak_hook(optimizer) -> Callable[[torch.Tensor], None]:
-    ref = weakref.ref(optimizer)
-
-    def hook(p: torch.Tensor) -> None:
-        opt = ref()
-        if opt is not None:
-            opt._hvddp_hook(p)
-
-    return hook
-
-
-def _remove_hooks(handles: list) -> None:
-    for handle in handles:
-        handle.remove()
-
-
-class _DistributedOptimizer:
+class _DistributedOptimizer(WrapperCommon):
     """Mixin put first in the wrapper's bases; see ``DistributedOptimizer``."""
 
     def __init__(self, params, *args, named_parameters=None, compression: Compressor = Compression.none,
@@ -179,7 +139,7 @@ class _DistributedOptimizer:
     # set-up ------------------------------------------------------------------------------
     def _hvddp_setup(self, named_parameters, compression, backward_passes_per_step, op,
                      gradient_predivide_factor, groups, sparse_as_dense, process_set) -> None:
-        _check_passes(backward_passes_per_step)
+        check_passes(backward_passes_per_step)
         op = _check_op(op, None, "DistributedOptimizer")  # the core's check: unknown ops, Adasum
         if op not in (Average, Sum):
             raise ValueError(f"DistributedOptimizer: op must be hvddp.Average or hvddp.Sum, got {op!r}.")
@@ -233,10 +193,10 @@ class _DistributedOptimizer:
         if self._hvddp_active:
             # The hooks hold the optimizer weakly and go away with it, so an optimizer that is
             # replaced (or dropped) stops reducing the model's gradients.
-            self._hvddp_hook_fn = _weak_hook(self)
+            self._hvddp_hook_fn = weak_hook(self)
             for p in self._hvddp_params:
                 self._hvddp_hooks.append(p.register_post_accumulate_grad_hook(self._hvddp_hook_fn))
-            weakref.finalize(self, _remove_hooks, self._hvddp_hooks)
+            weakref.finalize(self, remove_hooks, self._hvddp_hooks)
 
     def _hvddp_make_groups(self, groups) -> List[List[torch.Tensor]]:
         if groups is None:
@@ -260,12 +220,6 @@ class _DistributedOptimizer:
             if group:
                 out.append(list(group))
         return out
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load as the wrapped class does, into the ``param_groups`` and ``state`` objects this
-        optimizer shares with the wrapped one (so an LR scheduler made on either still drives
-        both)."""
-        load_in_place(self, state_dict, super().load_state_dict)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a parameter group (as the wrapped optimizer does) and reduce its gradients too."""
@@ -398,7 +352,7 @@ class _DistributedOptimizer:
             HvddpError: a backward pass ran since the last step: its gradients are accumulating
                 or already being reduced under the old count (on every rank alike).
         """
-        _check_passes(passes)
+        check_passes(passes)
         if self._hvddp_touched or self._hvddp_submitted or self._hvddp_flights:
             raise HvddpError(f"set_backward_passes_per_step({passes}): a backward pass ran since the last "
                              f"step(), so gradients are accumulating or being reduced under "
@@ -407,15 +361,6 @@ class _DistributedOptimizer:
         self._hvddp_bpps = int(passes)
         for p in self._hvddp_delay:
             self._hvddp_delay[p] = self._hvddp_bpps
-
-    @property
-    def backward_passes_per_step(self) -> int:
-        """The backward passes accumulated before each reduction (settable, as in Horovod)."""
-        return self._hvddp_bpps
-
-    @backward_passes_per_step.setter
-    def backward_passes_per_step(self, passes: int) -> None:
-        self.set_backward_passes_per_step(passes)
 
     def synchronize(self) -> None:
         """Finish reducing every gradient; afterwards ``p.grad`` holds the average on every rank.
@@ -503,10 +448,7 @@ class _DistributedOptimizer:
                 self.synchronize()
         self._hvddp_synchronized = False
         loss = super().step(closure)
-        wrapped = getattr(self, "_hvddp_wrapped", None)
-        wrapped = wrapped() if wrapped is not None else None
-        if wrapped is not None:  # an LR scheduler made on it checks that it stepped (torch >= 2.2)
-            wrapped._opt_called = True
+        self._hvddp_mark_stepped()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -524,16 +466,6 @@ class _DistributedOptimizer:
                 f"p.grad. Call step() or synchronize() first.")
         return super().zero_grad(set_to_none=set_to_none)
 
-
-def _refuse_deepcopy(self, memo):
-    raise TypeError(f"a distributed {type(self).__name__} cannot be deep-copied: it is tied to its model's "
-                    f"parameters by autograd hooks, and a copy would hold copies of the parameters "
-                    f"that nothing reduces. Deep-copy the model and the plain optimizer, then wrap the "
-                    f"copy with DistributedOptimizer on every rank; or save state_dict() instead.")
-
-
-_DistributedOptimizer.__deepcopy__ = _refuse_deepcopy
-_DistributedAdasumOptimizer.__deepcopy__ = _refuse_deepcopy
 
 # torch's Optimizer wraps ``type(self).step`` with its step-hook runner (in __init__ and again in
 # __setstate__, i.e. load_state_dict) unless it is marked; the wrapped class's own step is
@@ -634,7 +566,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
 def _check_adasum_arguments(compression, backward_passes_per_step, gradient_predivide_factor, groups,
                             process_set) -> None:
     """The arguments that mean something with op=Adasum, checked; the others refused by name."""
-    _check_passes(backward_passes_per_step)
+    check_passes(backward_passes_per_step)
     if gradient_predivide_factor != 1.0:
         raise ValueError(f"DistributedOptimizer: gradient_predivide_factor applies only to op=Average, "
                          f"got op=Adasum with gradient_predivide_factor={gradient_predivide_factor!r}.")

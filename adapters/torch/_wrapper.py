@@ -1,0 +1,84 @@
+"""What both ``DistributedOptimizer`` mixins (Average/Sum in ``optimizer.py``, Adasum in
+``adasum.py``) share: their hooks, the backward-pass count, loading in place, and marking the
+wrapped optimizer as stepped."""
+
+from __future__ import annotations
+
+import numbers
+import weakref
+from typing import Any, Callable
+
+import torch
+
+
+def load_in_place(optimizer: torch.optim.Optimizer, state_dict: dict, load: Callable[[dict], None]) -> None:
+    """``load(state_dict)``, then move what it loaded into the optimizer's previous
+    ``param_groups`` list, group dicts and ``state`` mapping: torch's ``load_state_dict`` makes
+    new ones, which would cut off whatever shares the old (a DistributedOptimizer and the
+    optimizer it wraps, an LR scheduler holding either)."""
+    groups, state = optimizer.param_groups, optimizer.state
+    load(state_dict)
+    if optimizer.param_groups is not groups:
+        for old, new in zip(groups, optimizer.param_groups):
+            old.clear()
+            old.update(new)
+        optimizer.param_groups = groups
+    if optimizer.state is not state:
+        state.clear()
+        state.update(optimizer.state)
+        optimizer.state = state
+
+
+def check_passes(passes: Any) -> None:
+    if isinstance(passes, bool) or not isinstance(passes, numbers.Integral):
+        raise TypeError(f"`backward_passes_per_step` must be an int >= 1, got {type(passes).__name__} {passes!r}.")
+    if passes < 1:
+        raise ValueError(f"`backward_passes_per_step` must be >= 1, got {passes}.")
+
+
+def weak_hook(optimizer) -> Callable[[torch.Tensor], None]:
+    ref = weakref.ref(optimizer)
+
+    def hook(p: torch.Tensor) -> None:
+        opt = ref()
+        if opt is not None:
+            opt._hvddp_hook(p)
+
+    return hook
+
+
+def remove_hooks(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+class WrapperCommon:
+    """Base of both mixins; each sets ``_hvddp_bpps`` and defines ``set_backward_passes_per_step``."""
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load as the wrapped class does, into the ``param_groups`` and ``state`` objects this
+        optimizer shares with the wrapped one (so an LR scheduler made on either still drives
+        both)."""
+        load_in_place(self, state_dict, super().load_state_dict)
+
+    @property
+    def backward_passes_per_step(self) -> int:
+        """The backward passes accumulated before each reduction (settable, as in Horovod)."""
+        return self._hvddp_bpps
+
+    @backward_passes_per_step.setter
+    def backward_passes_per_step(self, passes: int) -> None:
+        self.set_backward_passes_per_step(passes)
+
+    def _hvddp_mark_stepped(self) -> None:
+        wrapped = getattr(self, "_hvddp_wrapped", None)
+        wrapped = wrapped() if wrapped is not None else None
+        if wrapped is not None:  # an LR scheduler made on it checks that it stepped (torch >= 2.2)
+            wrapped._opt_called = True
+
+    def __deepcopy__(self, memo):
+        raise TypeError(f"a distributed {type(self).__name__} cannot be deep-copied: it is tied to its "
+                        f"model's parameters by autograd hooks, and a copy would hold copies of the "
+                        f"parameters that nothing reduces. Deep-copy the model and the plain optimizer, "
+                        f"then wrap the copy with DistributedOptimizer on every rank; or save "
+                        f"state_dict() instead.")
