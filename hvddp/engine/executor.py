@@ -283,9 +283,7 @@ class Executor:
     # ------------------------------------------------------------------------------------
     def _allreduce_batch(self, batch: list) -> None:
         request0 = batch[0][0]
-        if request0.op == ReduceOp.ADASUM:
-            self._adasum_batch(batch)
-            return
+        adasum = request0.op == ReduceOp.ADASUM  # always packed: the combine rewrites its buffer
         ps = self.process_sets[request0.ps_id]
         chunk = self.config.mpi_chunk_bytes
         pre = request0.prescale
@@ -293,7 +291,7 @@ class Executor:
         wire = wire_dtype(request0.dtype)
         tl = self.timeline
         try:
-            if len(batch) == 1 and wire == request0.dtype:
+            if len(batch) == 1 and wire == request0.dtype and not adasum:
                 request, entry, _ = batch[0]
                 src, dst = _buffers(request, entry, self.pool)
                 if tl:
@@ -323,12 +321,18 @@ class Executor:
                     else:
                         _scaled_copy(view, entry.input.reshape(-1), pre)
                 if tl:
-                    tl.activities([item[0].name for item in batch], "MPI_ALLREDUCE")
-                cma = self._cross_memory(request0.ps_id, buf.nbytes)
-                if cma is not None:
-                    cma.allreduce(buf, buf, request0.op)
+                    tl.activities([item[0].name for item in batch],
+                                  "MPI_ADASUM_ALLREDUCE" if adasum else "MPI_ALLREDUCE")
+                if adasum:
+                    from ..backends import adasum as adasum_backend
+
+                    adasum_backend.combine(ps.comm, buf, sizes, chunk)
                 else:
-                    self.mpi.allreduce_inplace(ps.comm, buf, request0.op, chunk)
+                    cma = self._cross_memory(request0.ps_id, buf.nbytes)
+                    if cma is not None:
+                        cma.allreduce(buf, buf, request0.op)
+                    else:
+                        self.mpi.allreduce_inplace(ps.comm, buf, request0.op, chunk)
                 if tl:
                     tl.activities([item[0].name for item in batch], "MEMCPY_OUT_FUSION_BUFFER")
                 for (request, entry, _), view in zip(batch, views):
@@ -342,43 +346,6 @@ class Executor:
             return
         if tl:
             tl.end([item[0].name for item in batch])
-        _complete(batch)
-
-    def _adasum_batch(self, batch: list) -> None:
-        """Adasum of a batch, packed into one private buffer (each level rewrites it), each
-        tensor combined with its own coefficients; prescale on the way in, postscale out."""
-        from ..backends import adasum
-
-        request0 = batch[0][0]
-        ps = self.process_sets[request0.ps_id]
-        names = [item[0].name for item in batch]
-        tl = self.timeline
-        try:
-            sizes = [_meta(item[0])[0] for item in batch]
-            buf = np.empty(sum(sizes), dtype=_dtype(wire_dtype(request0.dtype)))
-            views, offset = [], 0
-            for (request, entry, _), n in zip(batch, sizes):
-                view = buf[offset:offset + n]
-                offset += n
-                views.append(view)
-                if entry is None:  # a joined rank: zeros, which Adasum leaves out
-                    view.fill(0)
-                else:
-                    _scaled_copy(view, entry.input.reshape(-1), request0.prescale)
-            if tl:
-                tl.activities(names, "MPI_ADASUM_ALLREDUCE")
-            adasum.combine(ps.comm, buf, sizes, self.config.mpi_chunk_bytes)
-            for (request, entry, _), view in zip(batch, views):
-                if entry is None:
-                    continue
-                if entry.output is None:
-                    entry.output = self.pool.empty(request.shape, _dtype(request.dtype))
-                _scaled_copy(entry.output.reshape(-1), view, request0.postscale)
-        except Exception as exc:
-            _fail(batch, exc)
-            return
-        if tl:
-            tl.end(names)
         _complete(batch)
 
     def _allreduce_many(self, cma, group: list) -> None:
