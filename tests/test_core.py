@@ -62,6 +62,8 @@ HOROVOD_NAMES = {
     "hvddp.keras": "DistributedOptimizer callbacks load_model broadcast_global_variables allreduce allgather "
                    "reducescatter broadcast gloo_built gloo_enabled ccl_built ddl_built rocm_built start_timeline "
                    "stop_timeline",
+    "hvddp.tensorflow.keras": "DistributedOptimizer callbacks load_model broadcast_global_variables allreduce "
+                              "allgather reducescatter broadcast gloo_built ccl_built rocm_built",
     "hvddp.tensorflow": "DistributedGradientTape SyncBatchNormalization broadcast_variables allreduce grouped_allreduce allgather "
                         "broadcast alltoall reducescatter gloo_built ccl_built rocm_built start_timeline "
                         "stop_timeline grouped_allgather grouped_reducescatter DistributedOptimizer "
@@ -71,7 +73,8 @@ HOROVOD_NAMES = {
 
 @pytest.mark.parametrize("module", sorted(HOROVOD_NAMES))
 def test_every_exported_name_resolves_and_horovods_names_are_there(module):
-    framework = {"hvddp.torch": "torch", "hvddp.keras": "keras", "hvddp.tensorflow": "tensorflow"}.get(module)
+    framework = {"hvddp.torch": "torch", "hvddp.keras": "keras", "hvddp.tensorflow": "tensorflow",
+                 "hvddp.tensorflow.keras": "tensorflow"}.get(module)
     if framework and importlib.util.find_spec(framework) is None:
         pytest.skip(f"{framework} is not installed")
     code = (f"import importlib; m = importlib.import_module({module!r})\n"

@@ -80,3 +80,19 @@ def test_import_adds_no_framework():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="tensorflow is not installed")
+def test_horovod_tf_keras_style_script_runs_with_only_the_import_changed(tmp_path):
+    """tests/horovod_style_keras.py is written as Horovod's TensorFlow 2 Keras example is, with
+    ``import hvddp.tensorflow.keras as hvd`` as its only hvddp line."""
+    with open(os.path.join(ROOT, "tests", "horovod_style_keras.py")) as f:
+        code = f.read().split('"""', 2)[2]  # after the module docstring
+    assert [line for line in code.splitlines() if "hvddp" in line] == ["import hvddp.tensorflow.keras as hvd"]
+    out = run(2, ["tests/horovod_style_keras.py", "--epochs", "5", "--checkpoint-dir", str(tmp_path)],
+              env={"KERAS_BACKEND": "tensorflow"}, timeout=300).stdout
+    match = re.search(r"ranks: 2  test accuracy: ([0-9.]+)  replicas identical: (\w+)", out)
+    assert match, out
+    assert float(match.group(1)) >= 0.95 and match.group(2) == "True", out
+    assert out.count("Epoch 1/5") == 1, out  # verbose on rank 0 only
+    assert sorted(os.listdir(tmp_path)) == [f"checkpoint-{e}.keras" for e in range(1, 6)]

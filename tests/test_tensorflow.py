@@ -3,11 +3,12 @@ DistributedGradientTape parity with a single process, Adasum (on a set of two at
 all three), broadcast_variables, and the example."""
 
 import importlib.util
+import os
 import re
 
 import pytest
 
-from mpirun import run, run_pytest
+from mpirun import ROOT, run, run_pytest
 
 if importlib.util.find_spec("tensorflow") is None:
     pytest.skip("tensorflow is not installed", allow_module_level=True)
@@ -29,3 +30,18 @@ def test_tensorflow_digits_example(tmp_path):
     assert float(match.group(1)) >= 0.95, out
     assert match.group(2) == "True", out
     assert checkpoint.exists()
+
+
+def test_horovod_style_training_loop_runs_with_only_the_import_changed(tmp_path):
+    """tests/horovod_style_tensorflow.py is written as Horovod's TensorFlow 2 example is
+    (DistributedGradientTape, broadcast after the first step), with ``import hvddp.tensorflow as
+    hvd`` as its only hvddp line."""
+    with open(os.path.join(ROOT, "tests", "horovod_style_tensorflow.py")) as f:
+        code = f.read().split('"""', 2)[2]  # after the module docstring
+    assert [line for line in code.splitlines() if "hvddp" in line] == ["import hvddp.tensorflow as hvd"]
+    out = run(2, ["tests/horovod_style_tensorflow.py", "--checkpoint-dir", str(tmp_path)], timeout=300).stdout
+    match = re.search(r"ranks: 2  test accuracy: ([0-9.]+)  replicas identical: (\w+)", out)
+    assert match, out
+    assert float(match.group(1)) >= 0.95 and match.group(2) == "True", out
+    assert out.count("Step #0\t") == 1, out  # printed by local rank 0 only
+    assert os.path.exists(tmp_path / "ckpt-1.index"), sorted(os.listdir(tmp_path))
