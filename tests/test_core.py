@@ -58,7 +58,8 @@ HOROVOD_NAMES = {
              "gloo_enabled ccl_built ddl_built rocm_built start_timeline stop_timeline",
     "hvddp.torch": "HorovodInternalError Compression DistributedOptimizer SyncBatchNorm allreduce_async_ "
                    "grouped_allreduce_async_ sparse_allreduce_async broadcast_async_ grouped_reducescatter_async "
-                   "broadcast_parameters broadcast_optimizer_state gloo_built rocm_built start_timeline",
+                   "broadcast_parameters broadcast_optimizer_state gloo_built rocm_built start_timeline elastic "
+                   "HorovodInternalError HostsUpdatedInterrupt",
     "hvddp.keras": "DistributedOptimizer callbacks load_model broadcast_global_variables allreduce allgather "
                    "reducescatter broadcast gloo_built gloo_enabled ccl_built ddl_built rocm_built start_timeline "
                    "stop_timeline",

@@ -72,6 +72,21 @@ def test_horovod_style_script_runs_with_only_the_import_changed(flags):
     assert accuracies[-1] >= 90.0, result.stdout
 
 
+def test_elastic_api_at_a_fixed_size():
+    """hvddp.torch.elastic: sampler shares, state sync/commit/restore, run; 3 ranks pad the shares."""
+    run_pytest(3, "tests/mpi_torch_elastic.py")
+
+
+def test_horovod_style_elastic_script_runs_with_only_the_import_changed():
+    with open(os.path.join(ROOT, "tests", "horovod_style_torch_elastic.py")) as f:
+        code = f.read().split('"""', 2)[2]  # after the module docstring
+    assert [line for line in code.splitlines() if "hvddp" in line] == ["import hvddp.torch as hvd"]
+    result = run(2, ["tests/horovod_style_torch_elastic.py"], timeout=180)
+    accuracies = [float(a) for a in re.findall(r"Epoch \d+: test accuracy: ([0-9.]+)%", result.stdout)]
+    assert len(accuracies) == 6, result.stdout  # rank 0 alone prints, once per epoch
+    assert accuracies[-1] >= 90.0, result.stdout
+
+
 def test_example_pytorch_digits(tmp_path):
     checkpoint = tmp_path / "digits.ckpt"
     result = run(2, ["examples/pytorch_digits.py", "--checkpoint", str(checkpoint)], timeout=180)

@@ -28,9 +28,10 @@ from hvddp import (Adasum, Average, BackendUnavailableError, HvddpError, Launche
                    nccl_built, rank, remove_process_set, rocm_built, shutdown, size, start_timeline,
                    stop_timeline)
 
-from . import checkpoint
+from . import checkpoint, elastic
 from .checkpoint import load_checkpoint, save_checkpoint
 from .compression import Compression, Compressor
+from .elastic import HostsUpdatedInterrupt
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .mpi_ops import (Handle, allgather, allgather_async, allreduce, allreduce_, allreduce_async,
                       allreduce_async_, alltoall, alltoall_async, barrier, broadcast, broadcast_,
@@ -63,5 +64,5 @@ __all__ = [
     "grouped_reducescatter_async", "poll", "synchronize", "join", "barrier",
     "broadcast_object", "allgather_object", "broadcast_parameters", "broadcast_optimizer_state",
     "DistributedOptimizer", "SyncBatchNorm", "start_timeline", "stop_timeline",
-    "checkpoint", "save_checkpoint", "load_checkpoint",
+    "checkpoint", "save_checkpoint", "load_checkpoint", "elastic", "HostsUpdatedInterrupt",
 ]

@@ -1,0 +1,330 @@
+"""hvddp.torch.elastic: Horovod's elastic API, for scripts written against it, at a fixed size.
+
+Horovod's elastic mode re-forms a job when hosts come or go; that needs its own launcher and
+Gloo. An MPI job's ranks are fixed when ``mpiexec`` starts it, so hvddp keeps what still means
+something at a fixed size, and a Horovod elastic script runs after changing its import line:
+
+- ``run(func)``: ``func(state, ...)`` first syncs ``state`` from rank 0 (every rank starts from
+  rank 0's model, optimizer, sampler progress and counters), then runs, once. An error is raised
+  as it is, on the ranks it reaches: there is no re-formed job to retry in, so nothing is retried;
+  resume a failed job from a checkpoint (``hvddp.torch.save_checkpoint``).
+- ``ObjectState`` and ``TorchState``: ``commit()`` keeps a copy in memory, ``restore()`` goes back
+  to it, ``sync()`` gives every rank rank 0's. The hosts never change, so ``check_host_updates()``
+  finds nothing, ``HostsUpdatedInterrupt`` is never raised, and reset callbacks never run.
+- ``ElasticSampler``: shards a dataset over the ranks, reshuffled per epoch, and skips the samples
+  recorded as processed this epoch (on any rank, once the state syncs).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from typing import Any, Callable, Dict, Iterator, List, Set
+
+import torch
+
+from hvddp import rank, size
+
+from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+
+__all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler", "HostsUpdatedInterrupt"]
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Horovod raises this in ``commit()`` when hosts were added or removed; an MPI job's hosts
+    never change, so hvddp never raises it (scripts that catch it keep working)."""
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("the job's hosts changed")
+        self.skip_sync = skip_sync
+
+
+def run(func: Callable) -> Callable:
+    """Decorate a training function taking a ``State`` first: sync the state from rank 0, then
+    call the function once and return what it returns.
+
+    Example:
+        @hvd.elastic.run
+        def train(state):
+            while state.epoch < epochs:
+                ...
+                state.epoch += 1
+                state.commit()
+
+        train(hvd.elastic.TorchState(model, optimizer, epoch=0))
+    """
+    @functools.wraps(func)
+    def wrapper(state: "State", *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(state, State):
+            raise TypeError(f"hvddp.torch.elastic.run: the decorated function's first argument must be a "
+                            f"hvddp.torch.elastic State (TorchState or ObjectState); Received: "
+                            f"{type(state).__name__}.")
+        state.sync()
+        return func(state, *args, **kwargs)
+
+    return wrapper
+
+
+class State:
+    """What a training function commits, restores and syncs; subclasses say how."""
+
+    def __init__(self, bcast_object: Callable = broadcast_object, get_rank: Callable = rank) -> None:
+        self._bcast_object = bcast_object
+        self._rank = get_rank
+        self._reset_callbacks: List[Callable] = []
+
+    def register_reset_callbacks(self, callbacks: List[Callable]) -> None:
+        """Keep callbacks for a reset of the job; the ranks of an MPI job never change, so they never run."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        """Reset, then run the registered callbacks (what Horovod does once the job re-forms)."""
+        self.reset()
+        for callback in self._reset_callbacks:
+            callback()
+
+    def commit(self) -> None:
+        """Keep the current state in memory, for ``restore()``; then check for host changes."""
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Hosts never change in an MPI job: nothing to raise."""
+
+    def save(self) -> None:
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Called by ``on_reset``; nothing to do at a fixed size."""
+
+
+class ObjectState(State):
+    """Plain attributes, given as keyword arguments: ``state.epoch``, ``state.batch``, ...
+
+    ``commit()`` records their current values; ``restore()`` sets them back to the last commit;
+    ``sync()`` sets them, on every rank, to rank 0's last commit (so commit before syncing what
+    changed since).
+    """
+
+    def __init__(self, bcast_object: Callable = broadcast_object, get_rank: Callable = rank,
+                 **kwargs: Any) -> None:
+        self._saved_state = {name: _copy(value) for name, value in kwargs.items()}
+        for name, value in kwargs.items():  # the objects given, as in Horovod
+            setattr(self, name, value)
+        super().__init__(bcast_object=bcast_object, get_rank=get_rank)
+
+    def save(self) -> None:
+        self._saved_state = {name: _copy(getattr(self, name)) for name in self._saved_state}
+
+    def restore(self) -> None:
+        self._set_attrs()
+
+    def sync(self) -> None:
+        if self._saved_state:
+            self._saved_state = self._bcast_object(self._saved_state)
+            self._set_attrs()
+
+    def _set_attrs(self) -> None:
+        for name, value in self._saved_state.items():
+            setattr(self, name, _copy(value))  # later changes must not reach the commit
+
+
+def _copy(value: Any) -> Any:
+    """A deep copy, so that a commit is not changed through the live object; the object itself
+    when it cannot be copied (a lock, an open file)."""
+    try:
+        return copy.deepcopy(value)
+    except Exception:
+        return value
+
+
+class _Handler:
+    """How one framework object in a ``TorchState`` is saved, restored and synced."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        self.save()
+
+    def set_value(self, value: Any) -> None:
+        self.value = value
+        self.save()
+
+
+class _ModelHandler(_Handler):
+    def save(self) -> None:
+        self._saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(self._saved)
+
+    def sync(self) -> None:
+        broadcast_parameters(self.value.state_dict(), root_rank=0)
+
+
+class _OptimizerHandler(_Handler):
+    def save(self) -> None:
+        self._saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(self._saved)
+
+    def sync(self) -> None:
+        broadcast_optimizer_state(self.value, root_rank=0)
+
+
+class _SamplerHandler(_Handler):
+    def save(self) -> None:
+        self._saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(copy.deepcopy(self._saved))
+
+    def sync(self) -> None:
+        # every rank's processed samples, then rank 0's epoch: all ranks resume from one position
+        processed: Set[int] = set()
+        for indices in allgather_object(self.value.processed_indices):
+            processed.update(indices)
+        state = self.value.state_dict()
+        state["processed_indices"] = processed
+        self.value.load_state_dict(broadcast_object(state, root_rank=0))
+
+
+def _handler_for(value: Any):
+    if isinstance(value, torch.nn.Module):
+        return _ModelHandler
+    if isinstance(value, torch.optim.Optimizer):
+        return _OptimizerHandler
+    if isinstance(value, ElasticSampler):
+        return _SamplerHandler
+    return None
+
+
+class TorchState(ObjectState):
+    """A model, an optimizer, ``ElasticSampler``s and plain attributes, committed and synced together.
+
+    Models keep a copy of ``state_dict()`` on commit and are synced with ``broadcast_parameters``;
+    optimizers likewise with ``broadcast_optimizer_state``; samplers sync the union of every
+    rank's processed samples. Assigning ``state.model = other`` makes ``other`` the one tracked.
+
+    Example:
+        state = hvd.elastic.TorchState(model, optimizer, train_sampler=sampler, epoch=1, batch=0)
+    """
+
+    def __init__(self, model: Any = None, optimizer: Any = None, **kwargs: Any) -> None:
+        kwargs.update(model=model, optimizer=optimizer)
+        handlers: Dict[str, _Handler] = {}
+        plain = {}
+        for name, value in kwargs.items():
+            kind = _handler_for(value)
+            if kind is not None:
+                handlers[name] = kind(value)
+            else:
+                plain[name] = value
+        object.__setattr__(self, "_handlers", handlers)
+        for name, handler in handlers.items():
+            object.__setattr__(self, name, handler.value)
+        super().__init__(bcast_object=broadcast_object, get_rank=rank, **plain)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        handlers = self.__dict__.get("_handlers", {})
+        if name in handlers:
+            handlers[name].set_value(value)
+        super().__setattr__(name, value)
+
+    def save(self) -> None:
+        for handler in self._handlers.values():
+            handler.save()
+        super().save()
+
+    def restore(self) -> None:
+        for handler in self._handlers.values():
+            handler.restore()
+        super().restore()
+
+    def sync(self) -> None:
+        for handler in self._handlers.values():
+            handler.sync()
+        super().sync()
+
+
+class ElasticSampler(torch.utils.data.Sampler):
+    """This rank's share of a dataset, skipping what was recorded as processed this epoch.
+
+    Each epoch (``set_epoch``) the remaining indices are shuffled alike on every rank (seeded by
+    ``seed + epoch``) when ``shuffle``, padded by repeating the first ones to a multiple of the
+    number of ranks, and dealt out round-robin: rank r takes positions r, r + size, ...
+    ``record_batch(i, batch_size)`` marks the i-th batch this rank drew as processed; a
+    ``TorchState`` holding the sampler shares those marks at ``sync()``.
+
+    Args:
+        dataset: anything with ``len()``.
+        shuffle: reshuffle every epoch (default True).
+        seed: the shuffle's base seed; the same on every rank.
+    """
+
+    def __init__(self, dataset: Any, shuffle: bool = True, seed: int = 0) -> None:
+        self.dataset = dataset
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.processed_indices: Set[int] = set()
+        self.indices: List[int] = []
+        self.reset()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch``: a new order, and nothing processed yet."""
+        self.epoch = epoch
+        self.processed_indices = set()
+        self.reset()
+
+    def record_batch(self, batch_idx: int, batch_size: int) -> None:
+        """Mark the ``batch_idx``-th batch of ``batch_size`` that this rank drew as processed."""
+        self.record_indices(self.get_indices(batch_idx, batch_size))
+
+    def record_indices(self, indices: Any) -> None:
+        self.processed_indices.update(int(i) for i in indices)
+
+    def get_indices(self, batch_idx: int, batch_size: int) -> List[int]:
+        """The dataset indices of this rank's ``batch_idx``-th batch of ``batch_size``."""
+        start = batch_idx * batch_size
+        return self.indices[start:min(start + batch_size, len(self.indices))]
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"epoch": self.epoch, "processed_indices": set(self.processed_indices)}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.epoch = state_dict["epoch"]
+        self.processed_indices = set(state_dict["processed_indices"])
+        self.reset()
+
+    def reset(self) -> None:
+        """Recompute this rank's share from the ranks and what is processed (after a sync)."""
+        self.num_replicas, self.rank = size(), rank()
+        self.remaining_indices = [i for i in range(len(self.dataset)) if i not in self.processed_indices]
+        self.num_samples = math.ceil(len(self.remaining_indices) / self.num_replicas)
+        self.total_size = self.num_samples * self.num_replicas
+        self.indices = self._share()
+
+    def _share(self) -> List[int]:
+        order = list(self.remaining_indices)
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            order = [order[i] for i in torch.randperm(len(order), generator=generator).tolist()]
+        while order and len(order) < self.total_size:  # pad, repeating from the start
+            order += order[:self.total_size - len(order)]
+        return order[self.rank:self.total_size:self.num_replicas]
+
+    def __iter__(self) -> Iterator[int]:
+        self.indices = self._share()
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return self.num_samples

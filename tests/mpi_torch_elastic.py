@@ -1,0 +1,130 @@
+"""hvddp.torch.elastic at a fixed size, run by every rank under mpiexec (tests/test_torch.py)."""
+
+import pytest
+import torch
+
+import hvddp.torch as hvd
+
+hvd.init()
+RANK, SIZE = hvd.rank(), hvd.size()
+
+
+def _gathered(values):
+    return hvd.allgather_object(values)
+
+
+def test_sampler_deals_every_index_once_per_epoch_padding_the_last_round():
+    dataset = list(range(10))
+    sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=3)
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        mine = list(sampler)
+        assert len(mine) == len(sampler) == -(-10 // SIZE)
+        shares = _gathered(mine)
+        dealt = [i for share in shares for i in share]
+        assert sorted(set(dealt)) == dataset  # every sample, on some rank
+        assert len(dealt) - len(set(dealt)) == len(sampler) * SIZE - 10  # only the padding repeats
+    orders = [list(hvd.elastic.ElasticSampler(dataset, seed=3)), list(hvd.elastic.ElasticSampler(dataset, seed=4))]
+    assert orders[0] != orders[1] or SIZE >= 10  # the seed shuffles
+    padded = dataset + dataset[:len(sampler) * SIZE - 10]
+    assert list(hvd.elastic.ElasticSampler(dataset, shuffle=False)) == padded[RANK::SIZE]  # round-robin
+
+
+def test_sampler_skips_what_any_rank_processed_once_the_state_syncs():
+    dataset = list(range(12))
+    sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=0)
+    state = hvd.elastic.TorchState(train_sampler=sampler, epoch=0)
+    iter(sampler)
+    sampler.record_batch(0, 2)  # this rank's first batch of two
+    done = set(sampler.get_indices(0, 2))
+    everyone = set().union(*_gathered(done))
+    assert len(everyone) == 2 * SIZE
+    state.sync()
+    assert sampler.processed_indices == everyone
+    left = _gathered(list(sampler))
+    assert set().union(*map(set, left)) == set(dataset) - everyone
+    assert all(len(share) == -(-(12 - 2 * SIZE) // SIZE) for share in left)
+    sampler.set_epoch(1)  # a new epoch starts from everything again
+    assert sampler.processed_indices == set() and len(sampler) == -(-12 // SIZE)
+
+
+def _model_and_optimizer(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, optimizer
+
+
+def _step(model, optimizer, scale=1.0):
+    optimizer.zero_grad()
+    (model(torch.ones(4, 3)) * scale).sum().backward()
+    optimizer.step()
+
+
+def test_torch_state_syncs_from_rank_zero_commits_and_restores():
+    model, optimizer = _model_and_optimizer(seed=RANK)  # different on every rank
+    _step(model, optimizer, scale=RANK + 1.0)  # rank-dependent momentum
+    state = hvd.elastic.TorchState(model, optimizer, epoch=RANK, batch=7 * RANK)
+    state.sync()
+    weights = _gathered(model.weight.detach().tolist())
+    momenta = _gathered(optimizer.state[model.weight]["momentum_buffer"].tolist())
+    assert all(w == weights[0] for w in weights) and all(m == momenta[0] for m in momenta)
+    assert (state.epoch, state.batch) == (0, 0)
+    _step(model, optimizer)
+    state.epoch, state.batch = 1, 3
+    state.commit()
+    kept = (model.weight.detach().clone(), optimizer.state[model.weight]["momentum_buffer"].clone())
+    _step(model, optimizer)
+    state.epoch, state.batch = 2, 9
+    assert not torch.equal(model.weight, kept[0])
+    state.restore()
+    assert torch.equal(model.weight, kept[0])
+    assert torch.equal(optimizer.state[model.weight]["momentum_buffer"], kept[1])
+    assert (state.epoch, state.batch) == (1, 3)
+    other, _ = _model_and_optimizer(seed=99)
+    state.model = other  # the state now tracks the new model
+    state.commit()
+    with torch.no_grad():
+        other.weight.add_(1.0)
+    state.restore()
+    assert torch.equal(other.weight, _model_and_optimizer(seed=99)[0].weight)
+
+
+def test_object_state_commit_is_a_copy():
+    state = hvd.elastic.ObjectState(history=[1, 2])
+    state.history.append(3)
+    state.commit()
+    state.history.append(4)
+    state.restore()
+    assert state.history == [1, 2, 3]
+    state.history.append(5)
+    state.restore()
+    assert state.history == [1, 2, 3]
+
+
+def test_run_syncs_then_calls_once_and_raises_errors_as_they_are():
+    calls = []
+    resets = []
+
+    @hvd.elastic.run
+    def train(state, extra):
+        calls.append(state.epoch)
+        state.check_host_updates()  # never finds a change
+        return state.epoch + extra
+
+    state = hvd.elastic.ObjectState(epoch=5 + RANK)
+    state.register_reset_callbacks([lambda: resets.append(1)])
+    assert train(state, 10) == 15 and calls == [5]
+
+    @hvd.elastic.run
+    def broken(state):
+        calls.append("broken")
+        raise ValueError("a bug in the training function")
+
+    with pytest.raises(ValueError, match="a bug"):
+        broken(state)
+    assert calls == [5, "broken"] and resets == []  # not retried, no reset
+    with pytest.raises(TypeError, match="first argument must be a hvddp.torch.elastic State"):
+        train(object(), 1)
+    assert issubclass(hvd.HostsUpdatedInterrupt, RuntimeError) and hvd.elastic.HostsUpdatedInterrupt is \
+        hvd.HostsUpdatedInterrupt
