@@ -1,6 +1,5 @@
 """Rank 1 skips a step: with stall shutdown set, every rank gets a StallError naming it, and
 the job then ends with a non-zero exit (the engine is gone, so the ranks abort at exit)."""
-import time
 
 import numpy as np
 

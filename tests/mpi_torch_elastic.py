@@ -124,7 +124,7 @@ def test_run_syncs_then_calls_once_and_raises_errors_as_they_are():
     with pytest.raises(ValueError, match="a bug"):
         broken(state)
     assert calls == [5, "broken"] and resets == []  # not retried, no reset
-    with pytest.raises(TypeError, match="first argument must be a hvddp.torch.elastic State"):
+    with pytest.raises(TypeError, match="first argument must be a hvddp elastic State"):
         train(object(), 1)
     assert issubclass(hvd.HostsUpdatedInterrupt, RuntimeError) and hvd.elastic.HostsUpdatedInterrupt is \
         hvd.HostsUpdatedInterrupt

@@ -103,3 +103,11 @@ def run_pytest(np_: int, test_file: str, timeout: float = 240, env: Optional[Dic
     """Run a pytest module on every rank at once (its tests are collectives)."""
     return run(np_, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-header",
                      "-o", "addopts=", test_file, *extra], timeout=timeout, env=env)
+
+
+def hvddp_lines(script: str) -> List[str]:
+    """The lines of the script ``script`` (relative to the repository) that mention hvddp, after
+    its module docstring: for a script ported from Horovod, just the import line."""
+    with open(os.path.join(ROOT, script)) as f:
+        code = f.read().split('"""', 2)[2]
+    return [line for line in code.splitlines() if "hvddp" in line]

@@ -59,16 +59,16 @@ HOROVOD_NAMES = {
     "hvddp.torch": "HorovodInternalError Compression DistributedOptimizer SyncBatchNorm allreduce_async_ "
                    "grouped_allreduce_async_ sparse_allreduce_async broadcast_async_ grouped_reducescatter_async "
                    "broadcast_parameters broadcast_optimizer_state gloo_built rocm_built start_timeline elastic "
-                   "HorovodInternalError HostsUpdatedInterrupt",
-    "hvddp.keras": "DistributedOptimizer callbacks load_model broadcast_global_variables allreduce allgather "
+                   "HostsUpdatedInterrupt",
+    "hvddp.keras": "DistributedOptimizer callbacks elastic load_model broadcast_global_variables allreduce allgather "
                    "reducescatter broadcast gloo_built gloo_enabled ccl_built ddl_built rocm_built start_timeline "
                    "stop_timeline",
-    "hvddp.tensorflow.keras": "DistributedOptimizer callbacks load_model broadcast_global_variables allreduce "
+    "hvddp.tensorflow.keras": "DistributedOptimizer callbacks elastic load_model broadcast_global_variables allreduce "
                               "allgather reducescatter broadcast gloo_built ccl_built rocm_built",
     "hvddp.tensorflow": "DistributedGradientTape SyncBatchNormalization broadcast_variables allreduce grouped_allreduce allgather "
                         "broadcast alltoall reducescatter gloo_built ccl_built rocm_built start_timeline "
                         "stop_timeline grouped_allgather grouped_reducescatter DistributedOptimizer "
-                        "broadcast_global_variables",
+                        "broadcast_global_variables elastic HorovodInternalError",
 }
 
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from mpirun import ROOT, run, run_pytest
+from mpirun import ROOT, hvddp_lines, run, run_pytest
 
 if importlib.util.find_spec("keras") is None:
     pytest.skip("keras is not installed", allow_module_level=True)
@@ -86,9 +86,7 @@ def test_import_adds_no_framework():
 def test_horovod_tf_keras_style_script_runs_with_only_the_import_changed(tmp_path):
     """tests/horovod_style_keras.py is written as Horovod's TensorFlow 2 Keras example is, with
     ``import hvddp.tensorflow.keras as hvd`` as its only hvddp line."""
-    with open(os.path.join(ROOT, "tests", "horovod_style_keras.py")) as f:
-        code = f.read().split('"""', 2)[2]  # after the module docstring
-    assert [line for line in code.splitlines() if "hvddp" in line] == ["import hvddp.tensorflow.keras as hvd"]
+    assert hvddp_lines("tests/horovod_style_keras.py") == ["import hvddp.tensorflow.keras as hvd"]
     out = run(2, ["tests/horovod_style_keras.py", "--epochs", "5", "--checkpoint-dir", str(tmp_path)],
               env={"KERAS_BACKEND": "tensorflow"}, timeout=300).stdout
     match = re.search(r"ranks: 2  test accuracy: ([0-9.]+)  replicas identical: (\w+)", out)
@@ -96,3 +94,24 @@ def test_horovod_tf_keras_style_script_runs_with_only_the_import_changed(tmp_pat
     assert float(match.group(1)) >= 0.95 and match.group(2) == "True", out
     assert out.count("Epoch 1/5") == 1, out  # verbose on rank 0 only
     assert sorted(os.listdir(tmp_path)) == [f"checkpoint-{e}.keras" for e in range(1, 6)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_elastic_api_at_a_fixed_size(backend):
+    """hvddp.keras.elastic: KerasState sync/commit/restore, the fit callbacks, run; on TensorFlow
+    also hvddp.tensorflow.elastic.TensorFlowState."""
+    out = run_pytest(2, "tests/mpi_keras_elastic.py", env={"KERAS_BACKEND": backend, **STALL}, timeout=300,
+                     extra=["-W", "ignore::UserWarning", "-W", "ignore::DeprecationWarning"])
+    expected = "4 passed" if backend == "tensorflow" else "3 passed, 1 skipped"
+    assert re.search(r"\b" + expected, out.stdout), out.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="tensorflow is not installed")
+def test_horovod_style_elastic_keras_script_runs_with_only_the_import_changed(tmp_path):
+    assert hvddp_lines("tests/horovod_style_keras_elastic.py") == ["import hvddp.tensorflow.keras as hvd"]
+    out = run(2, ["tests/horovod_style_keras_elastic.py", "--epochs", "4", "--checkpoint-dir", str(tmp_path)],
+              env={"KERAS_BACKEND": "tensorflow"}, timeout=300).stdout
+    match = re.search(r"ranks: 2  epochs: (\d+)  test accuracy: ([0-9.]+)  replicas identical: (\w+)", out)
+    assert match, out
+    assert match.group(1) == "4" and float(match.group(2)) >= 0.95 and match.group(3) == "True", out
+    assert sorted(os.listdir(tmp_path)) == [f"checkpoint-{e}.keras" for e in range(1, 5)]

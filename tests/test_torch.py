@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from mpirun import ROOT, run, run_pytest
+from mpirun import ROOT, hvddp_lines, run, run_pytest
 
 pytest.importorskip("torch")
 
@@ -62,10 +62,7 @@ def _accuracies(output: str):
 
 @pytest.mark.parametrize("flags", [[], ["--use-adasum"]], ids=["average", "adasum"])
 def test_horovod_style_script_runs_with_only_the_import_changed(flags):
-    with open(os.path.join(ROOT, "tests", "horovod_style_torch.py")) as f:
-        source = f.read()
-    code = source.split('"""', 2)[2]  # after the module docstring
-    assert [line for line in code.splitlines() if "hvddp" in line] == ["import hvddp.torch as hvd"]
+    assert hvddp_lines("tests/horovod_style_torch.py") == ["import hvddp.torch as hvd"]
     result = run(2, ["tests/horovod_style_torch.py"] + flags, timeout=180)
     accuracies = _accuracies(result.stdout)
     assert len(accuracies) == 8, result.stdout  # rank 0 alone prints, once per epoch
@@ -78,9 +75,7 @@ def test_elastic_api_at_a_fixed_size():
 
 
 def test_horovod_style_elastic_script_runs_with_only_the_import_changed():
-    with open(os.path.join(ROOT, "tests", "horovod_style_torch_elastic.py")) as f:
-        code = f.read().split('"""', 2)[2]  # after the module docstring
-    assert [line for line in code.splitlines() if "hvddp" in line] == ["import hvddp.torch as hvd"]
+    assert hvddp_lines("tests/horovod_style_torch_elastic.py") == ["import hvddp.torch as hvd"]
     result = run(2, ["tests/horovod_style_torch_elastic.py"], timeout=180)
     accuracies = [float(a) for a in re.findall(r"Epoch \d+: test accuracy: ([0-9.]+)%", result.stdout)]
     assert len(accuracies) == 6, result.stdout  # rank 0 alone prints, once per epoch

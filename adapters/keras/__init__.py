@@ -34,11 +34,12 @@ from hvddp import (Adasum, Average, BackendUnavailableError, Compression, HvddpE
                    mpi_threads_supported, nccl_built, rank, remove_process_set, rocm_built, shutdown, size,
                    start_timeline, stop_timeline)
 
-from . import callbacks, checkpoint
+from . import callbacks, checkpoint, elastic
 from ._jit import install_auto_jit_guard as _install_auto_jit_guard
 from .callbacks import (BroadcastGlobalVariablesCallback, LearningRateScheduleCallback,
                         LearningRateWarmupCallback, MetricAverageCallback)
 from .checkpoint import CheckpointCallback, load_checkpoint, save_checkpoint
+from .elastic import HostsUpdatedInterrupt
 from .functions import (allgather, allreduce, broadcast, broadcast_global_variables, broadcast_variables,
                         reducescatter)
 from .optimizer import DistributedOptimizer, PartialDistributedOptimizer, is_distributed, load_model
@@ -57,5 +58,5 @@ __all__ = [
     "broadcast_global_variables", "barrier", "join", "broadcast_object", "allgather_object",
     "HvddpError", "NotInitializedError", "BackendUnavailableError", "MismatchError", "ShutdownError",
     "StallError", "LauncherMismatchError", "start_timeline", "stop_timeline", "checkpoint", "CheckpointCallback",
-    "save_checkpoint", "load_checkpoint",
+    "save_checkpoint", "load_checkpoint", "elastic", "HostsUpdatedInterrupt",
 ]

@@ -70,18 +70,25 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         if self.broadcast_done:
             return
-        _sync_jax_state(self.model)
-        # Random-number generator states stay per rank (dropout masks differ between replicas).
-        layers = getattr(self.model, "_flatten_layers", lambda: [])()
-        seeds = {id(g.state) for layer in layers for g in getattr(layer, "_seed_generators", ())}
-        variables = [v for v in self.model.variables if id(v) not in seeds and id(v) not in self._local]
-        optimizer = getattr(self.model, "optimizer", None)
-        if optimizer is not None:
-            if not optimizer.built:
-                optimizer.build(self.model.trainable_variables)
-            variables += list(optimizer.variables)
+        variables = shared_variables(self.model, getattr(self.model, "optimizer", None), self._local)
         broadcast_variables(variables, self.root_rank, process_set=self.process_set, prefix="keras.bcast_cb")
         self.broadcast_done = True
+
+
+def shared_variables(model: Any, optimizer: Any, local: Any = ()) -> list:
+    """The variables replicas share, current (JAX's trainer state written back first): the
+    model's, less its random-number generator states (dropout masks differ between replicas) and
+    the ``local`` ones (ids), then the optimizer's, which is built first if it is not yet so that
+    its slots come too."""
+    _sync_jax_state(model)
+    layers = getattr(model, "_flatten_layers", lambda: [])()
+    seeds = {id(g.state) for layer in layers for g in getattr(layer, "_seed_generators", ())}
+    variables = [v for v in model.variables if id(v) not in seeds and id(v) not in local]
+    if optimizer is not None:
+        if not optimizer.built and model.built:
+            optimizer.build(model.trainable_variables)
+        variables += list(optimizer.variables)
+    return variables
 
 
 class MetricAverageCallback(keras.callbacks.Callback):

@@ -31,12 +31,17 @@ from hvddp import (Adasum, Average, BackendUnavailableError, Compression, HvddpE
                    mpi_threads_supported, nccl_built, rank, remove_process_set, rocm_built, shutdown, size,
                    start_timeline, stop_timeline)
 
+from . import elastic
+from .elastic import HostsUpdatedInterrupt
 from .functions import (DistributedOptimizer, broadcast_, broadcast_global_variables, broadcast_variables,
                         local_rank_op, local_size_op, process_set_included_op, rank_op, size_op)
 from .gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
 from .sync_batch_norm import SyncBatchNormalization
 from .ops import (allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
                   grouped_reducescatter, reducescatter)
+
+# Horovod's TensorFlow package raises this name for every failed collective; scripts catch it by it
+HorovodInternalError = HvddpError
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
@@ -50,5 +55,6 @@ __all__ = [
     "DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer", "SyncBatchNormalization",
     "broadcast_", "broadcast_variables", "broadcast_global_variables",
     "HvddpError", "NotInitializedError", "BackendUnavailableError", "MismatchError", "ShutdownError",
-    "StallError", "LauncherMismatchError", "start_timeline", "stop_timeline",
+    "StallError", "LauncherMismatchError", "start_timeline", "stop_timeline", "elastic", "HostsUpdatedInterrupt",
+    "HorovodInternalError",
 ]

@@ -1,16 +1,10 @@
-"""hvddp.torch.elastic: Horovod's elastic API, for scripts written against it, at a fixed size.
+"""hvddp.torch.elastic: Horovod's elastic API for PyTorch scripts, at a fixed size.
 
-Horovod's elastic mode re-forms a job when hosts come or go; that needs its own launcher and
-Gloo. An MPI job's ranks are fixed when ``mpiexec`` starts it, so hvddp keeps what still means
-something at a fixed size, and a Horovod elastic script runs after changing its import line:
+``run``, ``ObjectState`` and ``HostsUpdatedInterrupt`` are ``hvddp.elastic``'s (see there: an MPI
+job's ranks are fixed, so ``run`` syncs and calls once, and nothing is retried). Added here:
 
-- ``run(func)``: ``func(state, ...)`` first syncs ``state`` from rank 0 (every rank starts from
-  rank 0's model, optimizer, sampler progress and counters), then runs, once. An error is raised
-  as it is, on the ranks it reaches: there is no re-formed job to retry in, so nothing is retried;
-  resume a failed job from a checkpoint (``hvddp.torch.save_checkpoint``).
-- ``ObjectState`` and ``TorchState``: ``commit()`` keeps a copy in memory, ``restore()`` goes back
-  to it, ``sync()`` gives every rank rank 0's. The hosts never change, so ``check_host_updates()``
-  finds nothing, ``HostsUpdatedInterrupt`` is never raised, and reset callbacks never run.
+- ``TorchState``: a model, an optimizer, ``ElasticSampler``s and plain attributes, committed,
+  restored and synced from rank 0 together.
 - ``ElasticSampler``: shards a dataset over the ranks, reshuffled per epoch, and skips the samples
   recorded as processed this epoch (on any rank, once the state syncs).
 """
@@ -18,131 +12,17 @@ something at a fixed size, and a Horovod elastic script runs after changing its 
 from __future__ import annotations
 
 import copy
-import functools
 import math
-from typing import Any, Callable, Dict, Iterator, List, Set
+from typing import Any, Dict, Iterator, List, Set
 
 import torch
 
 from hvddp import rank, size
+from hvddp.elastic import HostsUpdatedInterrupt, ObjectState, State, run
 
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
 __all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler", "HostsUpdatedInterrupt"]
-
-
-class HostsUpdatedInterrupt(RuntimeError):
-    """Horovod raises this in ``commit()`` when hosts were added or removed; an MPI job's hosts
-    never change, so hvddp never raises it (scripts that catch it keep working)."""
-
-    def __init__(self, skip_sync: bool = False) -> None:
-        super().__init__("the job's hosts changed")
-        self.skip_sync = skip_sync
-
-
-def run(func: Callable) -> Callable:
-    """Decorate a training function taking a ``State`` first: sync the state from rank 0, then
-    call the function once and return what it returns.
-
-    Example:
-        @hvd.elastic.run
-        def train(state):
-            while state.epoch < epochs:
-                ...
-                state.epoch += 1
-                state.commit()
-
-        train(hvd.elastic.TorchState(model, optimizer, epoch=0))
-    """
-    @functools.wraps(func)
-    def wrapper(state: "State", *args: Any, **kwargs: Any) -> Any:
-        if not isinstance(state, State):
-            raise TypeError(f"hvddp.torch.elastic.run: the decorated function's first argument must be a "
-                            f"hvddp.torch.elastic State (TorchState or ObjectState); Received: "
-                            f"{type(state).__name__}.")
-        state.sync()
-        return func(state, *args, **kwargs)
-
-    return wrapper
-
-
-class State:
-    """What a training function commits, restores and syncs; subclasses say how."""
-
-    def __init__(self, bcast_object: Callable = broadcast_object, get_rank: Callable = rank) -> None:
-        self._bcast_object = bcast_object
-        self._rank = get_rank
-        self._reset_callbacks: List[Callable] = []
-
-    def register_reset_callbacks(self, callbacks: List[Callable]) -> None:
-        """Keep callbacks for a reset of the job; the ranks of an MPI job never change, so they never run."""
-        self._reset_callbacks.extend(callbacks)
-
-    def on_reset(self) -> None:
-        """Reset, then run the registered callbacks (what Horovod does once the job re-forms)."""
-        self.reset()
-        for callback in self._reset_callbacks:
-            callback()
-
-    def commit(self) -> None:
-        """Keep the current state in memory, for ``restore()``; then check for host changes."""
-        self.save()
-        self.check_host_updates()
-
-    def check_host_updates(self) -> None:
-        """Hosts never change in an MPI job: nothing to raise."""
-
-    def save(self) -> None:
-        raise NotImplementedError
-
-    def restore(self) -> None:
-        raise NotImplementedError
-
-    def sync(self) -> None:
-        raise NotImplementedError
-
-    def reset(self) -> None:
-        """Called by ``on_reset``; nothing to do at a fixed size."""
-
-
-class ObjectState(State):
-    """Plain attributes, given as keyword arguments: ``state.epoch``, ``state.batch``, ...
-
-    ``commit()`` records their current values; ``restore()`` sets them back to the last commit;
-    ``sync()`` sets them, on every rank, to rank 0's last commit (so commit before syncing what
-    changed since).
-    """
-
-    def __init__(self, bcast_object: Callable = broadcast_object, get_rank: Callable = rank,
-                 **kwargs: Any) -> None:
-        self._saved_state = {name: _copy(value) for name, value in kwargs.items()}
-        for name, value in kwargs.items():  # the objects given, as in Horovod
-            setattr(self, name, value)
-        super().__init__(bcast_object=bcast_object, get_rank=get_rank)
-
-    def save(self) -> None:
-        self._saved_state = {name: _copy(getattr(self, name)) for name in self._saved_state}
-
-    def restore(self) -> None:
-        self._set_attrs()
-
-    def sync(self) -> None:
-        if self._saved_state:
-            self._saved_state = self._bcast_object(self._saved_state)
-            self._set_attrs()
-
-    def _set_attrs(self) -> None:
-        for name, value in self._saved_state.items():
-            setattr(self, name, _copy(value))  # later changes must not reach the commit
-
-
-def _copy(value: Any) -> Any:
-    """A deep copy, so that a commit is not changed through the live object; the object itself
-    when it cannot be copied (a lock, an open file)."""
-    try:
-        return copy.deepcopy(value)
-    except Exception:
-        return value
 
 
 class _Handler:
