@@ -51,7 +51,7 @@ def run(func: Callable) -> Callable:
     @functools.wraps(func)
     def wrapper(state: "State", *args: Any, **kwargs: Any) -> Any:
         if not isinstance(state, State):
-            raise TypeError(f"hvddp.torch.elastic.run: the decorated function's first argument must be a "
+            raise TypeError(f"hvddp elastic run: the decorated function's first argument must be a "
                             f"hvddp elastic State (such as ObjectState); Received: "
                             f"{type(state).__name__}.")
         state.sync()
@@ -104,18 +104,22 @@ class ObjectState(State):
 
     ``commit()`` records their current values; ``restore()`` sets them back to the last commit;
     ``sync()`` sets them, on every rank, to rank 0's last commit (so commit before syncing what
-    changed since).
+    changed since). A value is recorded as a deep copy, so changing a list after a commit does not
+    change the commit (Horovod keeps a reference). An object with ``state_dict()`` and
+    ``load_state_dict()`` (a learning-rate scheduler, a ``GradScaler``) stays the same object:
+    its ``state_dict()`` is recorded, and restoring or syncing loads one into it, so whatever
+    refers to it (a scheduler to its optimizer) keeps working.
     """
 
     def __init__(self, bcast_object: Callable = broadcast_object, get_rank: Callable = rank,
                  **kwargs: Any) -> None:
-        self._saved_state = {name: _copy(value) for name, value in kwargs.items()}
         for name, value in kwargs.items():  # the objects given, as in Horovod
             setattr(self, name, value)
+        self._saved_state = {name: _record(value) for name, value in kwargs.items()}
         super().__init__(bcast_object=bcast_object, get_rank=get_rank)
 
     def save(self) -> None:
-        self._saved_state = {name: _copy(getattr(self, name)) for name in self._saved_state}
+        self._saved_state = {name: _record(getattr(self, name)) for name in self._saved_state}
 
     def restore(self) -> None:
         self._set_attrs()
@@ -126,8 +130,32 @@ class ObjectState(State):
             self._set_attrs()
 
     def _set_attrs(self) -> None:
-        for name, value in self._saved_state.items():
-            setattr(self, name, _copy(value))  # later changes must not reach the commit
+        for name, saved in self._saved_state.items():
+            if isinstance(saved, _Recorded):
+                getattr(self, name).load_state_dict(_copy(saved.state))
+            else:
+                setattr(self, name, _copy(saved))  # later changes must not reach the commit
+
+
+class _Recorded:
+    """The ``state_dict()`` of an attribute that is kept in place (picklable, for ``sync``)."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+    def __getstate__(self) -> Any:
+        return (self.state,)  # never falsy, so that unpickling calls __setstate__
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state[0]
+
+
+def _record(value: Any) -> Any:
+    if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
+        return _Recorded(_copy(value.state_dict()))
+    return _copy(value)
 
 
 def _copy(value: Any) -> Any:

@@ -58,25 +58,7 @@ def test_keras_state_syncs_from_rank_zero_then_commits_and_restores():
     assert state.epoch == 4
 
 
-class Snapshot(keras.callbacks.Callback):
-    """What the variables held at the end of one batch (after the commit callbacks before it)."""
-
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.when, self.epoch, self.kept = (epoch, batch), None, None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if (self.epoch, batch) == self.when:
-            sync = getattr(self.model, "jax_state_sync", None)
-            if sync is not None and BACKEND == "jax":
-                sync()
-            self.kept = values(self.model)
-
-
-def test_fit_callbacks_commit_every_n_batches_and_count_batches_and_epochs():
+def test_fit_callbacks_commit_every_n_batches_and_each_epoch_and_count_batches_and_epochs():
     model = make_model(seed=0)
     x, y = data(seed=RANK, n=40)
     state = hvd.elastic.KerasState(model, epoch=2, batch=0)
@@ -85,9 +67,8 @@ def test_fit_callbacks_commit_every_n_batches_and_count_batches_and_epochs():
     state.save = lambda: (commits.append((state.epoch, state.batch)), save())[-1]
     batches = []
     watch = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: batches.append(state.batch))
-    snapshot = Snapshot(epoch=1, batch=3)  # 5 batches an epoch: the 9th batch, where the last commit falls
     callbacks = [hvd.elastic.UpdateEpochStateCallback(state), hvd.elastic.UpdateBatchStateCallback(state),
-                 hvd.elastic.CommitStateCallback(state, batches_per_commit=3), snapshot, watch]
+                 hvd.elastic.CommitStateCallback(state, batches_per_commit=np.int64(3)), watch]
 
     @hvd.elastic.run
     def train(state):
@@ -96,13 +77,43 @@ def test_fit_callbacks_commit_every_n_batches_and_count_batches_and_epochs():
 
     assert train(state) == 4  # two epochs finished, counted on from 2
     assert state.batch == 0
-    assert batches == [0, 1, 2, 3, 4] * 2
-    assert commits == [(2, 2), (3, 0), (3, 3)], commits  # after the 3rd, 6th and 9th batches
-    state.restore()  # back to the last commit
-    assert all(np.array_equal(a, b) for a, b in zip(snapshot.kept, values(model)))
-    assert (state.epoch, state.batch) == (3, 3)
+    assert batches == [0, 1, 2, 3, 4] * 2  # 5 batches an epoch
+    # after the 3rd, 6th and 9th batches, and at each epoch's end, as in Horovod
+    assert commits == [(2, 2), (3, 0), (3, 0), (3, 3), (4, 0)], commits
+    kept = values(model)
+    model.train_on_batch(x[:8], y[:8])
+    state.epoch = 9
+    state.restore()  # back to the last commit: the end of fit
+    assert all(np.array_equal(a, b) for a, b in zip(kept, values(model)))
+    assert (state.epoch, state.batch) == (4, 0)
+    commits.clear()
+    state.epoch = 0
+    model.fit(x, y, batch_size=8, epochs=1, callbacks=callbacks, verbose=0)
+    assert commits == [(0, 2), (1, 0)], commits  # the batch count starts again with each fit
     with pytest.raises(ValueError, match="batches_per_commit must be an int >= 1"):
         hvd.elastic.CommitStateCallback(state, batches_per_commit=0)
+
+
+def test_keras_state_refuses_what_it_could_not_keep():
+    unbuilt = keras.Sequential([layers.Dense(2)])
+    with pytest.raises(ValueError, match="the model must be built first"):
+        hvd.elastic.KerasState(unbuilt)
+    uncompiled = keras.Sequential([keras.Input((4,)), layers.Dense(2)])
+    with pytest.raises(ValueError, match="no optimizer to keep: compile the model first"):
+        hvd.elastic.KerasState(uncompiled)
+    hvd.elastic.KerasState(uncompiled, optimizer=keras.optimizers.SGD())
+
+
+def test_broadcast_callback_on_a_model_that_its_first_step_builds():
+    """No Input: on the TensorFlow backend the first step builds the model, after on_train_begin;
+    the callback then broadcasts at the end of that step (Horovod's timing), and the replicas agree."""
+    keras.utils.set_random_seed(RANK)  # different initial weights on every rank
+    model = keras.Sequential([layers.Dense(6, activation="tanh"), layers.Dense(2)])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
+    x, y = data(seed=RANK)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    assert same_on_every_rank(values(model))
 
 
 def test_names_are_the_core_ones():

@@ -30,22 +30,29 @@ def test_sampler_deals_every_index_once_per_epoch_padding_the_last_round():
     assert list(hvd.elastic.ElasticSampler(dataset, shuffle=False)) == padded[RANK::SIZE]  # round-robin
 
 
-def test_sampler_skips_what_any_rank_processed_once_the_state_syncs():
+def test_sampler_counts_what_the_job_processed_the_same_on_every_rank():
     dataset = list(range(12))
     sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=0)
     state = hvd.elastic.TorchState(train_sampler=sampler, epoch=0)
-    iter(sampler)
-    sampler.record_batch(0, 2)  # this rank's first batch of two
-    done = set(sampler.get_indices(0, 2))
-    everyone = set().union(*_gathered(done))
-    assert len(everyone) == 2 * SIZE
-    state.sync()
-    assert sampler.processed_indices == everyone
+    first = sampler.get_indices(0, 2)  # this rank's first batch of two
+    sampler.record_batch(0, 2)
+    assert sampler.processed_num == 2 * SIZE  # counted alike on every rank
+    done = set().union(*map(set, _gathered(first)))
+    state.commit()
+    state.sync()  # the shares are dealt again from what is left (as in Horovod, at sync or restore)
     left = _gathered(list(sampler))
-    assert set().union(*map(set, left)) == set(dataset) - everyone
+    assert set().union(*map(set, left)) == set(dataset) - done  # the rest, and only the rest
     assert all(len(share) == -(-(12 - 2 * SIZE) // SIZE) for share in left)
+    sampler.record_batch(0, 2)
+    state.restore()  # back to the commit, each rank on its own: the count is the job's
+    assert sampler.processed_num == 2 * SIZE and _gathered(list(sampler)) == left
+    checkpoint = hvd.broadcast_object(sampler.state_dict(), root_rank=0)  # rank 0's, loaded everywhere
+    assert checkpoint == {"epoch": 0, "processed_num": 2 * SIZE}  # Horovod 0.28.1's format
+    resumed = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=0)
+    resumed.load_state_dict(checkpoint)
+    assert list(resumed) == list(sampler)
     sampler.set_epoch(1)  # a new epoch starts from everything again
-    assert sampler.processed_indices == set() and len(sampler) == -(-12 // SIZE)
+    assert sampler.processed_num == 0 and len(sampler) == -(-12 // SIZE)
 
 
 def _model_and_optimizer(seed):
@@ -81,6 +88,9 @@ def test_torch_state_syncs_from_rank_zero_commits_and_restores():
     assert torch.equal(model.weight, kept[0])
     assert torch.equal(optimizer.state[model.weight]["momentum_buffer"], kept[1])
     assert (state.epoch, state.batch) == (1, 3)
+    _step(model, optimizer)
+    state.restore()  # the commit itself was not changed by the step after the first restore
+    assert torch.equal(optimizer.state[model.weight]["momentum_buffer"], kept[1])
     other, _ = _model_and_optimizer(seed=99)
     state.model = other  # the state now tracks the new model
     state.commit()
@@ -88,6 +98,21 @@ def test_torch_state_syncs_from_rank_zero_commits_and_restores():
         other.weight.add_(1.0)
     state.restore()
     assert torch.equal(other.weight, _model_and_optimizer(seed=99)[0].weight)
+
+
+def test_a_scheduler_stays_the_same_object_and_drives_the_real_optimizer():
+    model, optimizer = _model_and_optimizer(seed=0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    state = hvd.elastic.TorchState(model, optimizer, scheduler=scheduler, epoch=0)
+    state.sync()
+    state.commit()
+    _step(model, optimizer)
+    scheduler.step()
+    state.restore()
+    assert state.scheduler is scheduler and scheduler.last_epoch == 0
+    _step(model, optimizer)
+    state.scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == 0.05  # the scheduler still drives this optimizer
 
 
 def test_object_state_commit_is_a_copy():

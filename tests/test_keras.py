@@ -98,11 +98,11 @@ def test_horovod_tf_keras_style_script_runs_with_only_the_import_changed(tmp_pat
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_elastic_api_at_a_fixed_size(backend):
-    """hvddp.keras.elastic: KerasState sync/commit/restore, the fit callbacks, run; on TensorFlow
-    also hvddp.tensorflow.elastic.TensorFlowState."""
+    """hvddp.keras.elastic: KerasState sync/commit/restore and refusals, the fit callbacks, run, the
+    broadcast callback on a model its first step builds; on TensorFlow also TensorFlowState."""
     out = run_pytest(2, "tests/mpi_keras_elastic.py", env={"KERAS_BACKEND": backend, **STALL}, timeout=300,
                      extra=["-W", "ignore::UserWarning", "-W", "ignore::DeprecationWarning"])
-    expected = "4 passed" if backend == "tensorflow" else "3 passed, 1 skipped"
+    expected = "6 passed" if backend == "tensorflow" else "5 passed, 1 skipped"
     assert re.search(r"\b" + expected, out.stdout), out.stdout
 
 

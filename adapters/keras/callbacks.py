@@ -29,7 +29,8 @@ def _sync_jax_state(model: Any) -> None:
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
-    """Copy ``root_rank``'s model and optimizer variables to every rank when training begins.
+    """Copy ``root_rank``'s model and optimizer variables to every rank when training begins (or,
+    for a model that its first step builds, at the end of that step, where Horovod always does).
 
     Differently initialised replicas (or a checkpoint restored on one rank) start equal. The
     optimizer is built first if it is not yet, so its slots are broadcast too.
@@ -68,8 +69,16 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self._local[id(var)] = var  # kept alive, so its id stays its own
 
     def on_train_begin(self, logs=None):
-        if self.broadcast_done:
-            return
+        # A model without an Input is built by its first step (TensorFlow backend): then broadcast
+        # at the end of that step, as Horovod always does, rather than nothing now.
+        if not self.broadcast_done and self.model.built:
+            self._broadcast()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self.broadcast_done:
+            self._broadcast()
+
+    def _broadcast(self):
         variables = shared_variables(self.model, getattr(self.model, "optimizer", None), self._local)
         broadcast_variables(variables, self.root_rank, process_set=self.process_set, prefix="keras.bcast_cb")
         self.broadcast_done = True

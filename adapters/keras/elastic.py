@@ -8,12 +8,14 @@ retried). Added here, on every Keras backend:
   (the model's ``optimizer`` when none is given) and plain attributes, committed, restored and
   synced from rank 0 together.
 - ``CommitStateCallback(state, batches_per_commit=1)``, ``UpdateBatchStateCallback(state)``,
-  ``UpdateEpochStateCallback(state)``: commit during ``fit``, and keep ``state.batch`` (the last
-  finished batch of the epoch, 0 between epochs) and ``state.epoch`` (epochs finished) current.
+  ``UpdateEpochStateCallback(state)``: commit during ``fit`` (every N batches and at each epoch's
+  end), and keep ``state.batch`` (the last finished batch of the epoch, 0 between epochs) and
+  ``state.epoch`` (epochs finished) current.
 """
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import keras
@@ -47,8 +49,15 @@ class KerasState(VariablesState):
     def __init__(self, model: Any, optimizer: Any = None, backend: Any = None, **kwargs: Any) -> None:
         if not isinstance(model, keras.Model):
             raise TypeError(f"KerasState: model must be a keras.Model; Received: {type(model).__name__}.")
+        if not model.built:  # it has no variables yet: nothing would be kept or synced
+            raise ValueError("KerasState: the model must be built first (give it a keras.Input, or call "
+                             "model.build(input_shape)), as in Horovod; Received: an unbuilt model.")
+        optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        if optimizer is None:
+            raise ValueError("KerasState: no optimizer to keep: compile the model first, or pass optimizer=; "
+                             "Received: a model without one and optimizer=None.")
         self.model = model
-        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        self.optimizer = optimizer
         super().__init__(**kwargs)
 
     def _live_variables(self) -> list:
@@ -62,22 +71,30 @@ class KerasState(VariablesState):
 
 
 class CommitStateCallback(keras.callbacks.Callback):
-    """Commit ``state`` after every ``batches_per_commit`` training batches."""
+    """Commit ``state`` after every ``batches_per_commit`` training batches and at every epoch's
+    end; the count starts again with each ``fit``."""
 
     def __init__(self, state: State, batches_per_commit: int = 1) -> None:
         super().__init__()
-        if isinstance(batches_per_commit, bool) or not isinstance(batches_per_commit, int) or batches_per_commit < 1:
+        if isinstance(batches_per_commit, bool) or not isinstance(batches_per_commit, numbers.Integral) \
+                or batches_per_commit < 1:
             raise ValueError(f"CommitStateCallback: batches_per_commit must be an int >= 1; "
                              f"Received: batches_per_commit={batches_per_commit!r}.")
         self.state = state
-        self.batches_per_commit = batches_per_commit
-        self._remaining = batches_per_commit
+        self.batches_per_commit = int(batches_per_commit)
+        self._remaining = self.batches_per_commit
+
+    def on_train_begin(self, logs=None):
+        self._remaining = self.batches_per_commit
 
     def on_train_batch_end(self, batch, logs=None):
         self._remaining -= 1
         if self._remaining == 0:
             self.state.commit()
             self._remaining = self.batches_per_commit
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.commit()
 
 
 class UpdateBatchStateCallback(keras.callbacks.Callback):

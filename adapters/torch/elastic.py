@@ -6,21 +6,22 @@ job's ranks are fixed, so ``run`` syncs and calls once, and nothing is retried).
 - ``TorchState``: a model, an optimizer, ``ElasticSampler``s and plain attributes, committed,
   restored and synced from rank 0 together.
 - ``ElasticSampler``: shards a dataset over the ranks, reshuffled per epoch, and skips the samples
-  recorded as processed this epoch (on any rank, once the state syncs).
+  recorded as processed this epoch (a count, the same on every rank).
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Dict, Iterator, List, Set
+import random
+from typing import Any, Dict, Iterator, List
 
 import torch
 
 from hvddp import rank, size
 from hvddp.elastic import HostsUpdatedInterrupt, ObjectState, State, run
 
-from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
 __all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler", "HostsUpdatedInterrupt"]
 
@@ -53,7 +54,8 @@ class _OptimizerHandler(_Handler):
         self._saved = copy.deepcopy(self.value.state_dict())
 
     def restore(self) -> None:
-        self.value.load_state_dict(self._saved)
+        # a copy: load_state_dict may adopt the tensors it is given, which later steps would change
+        self.value.load_state_dict(copy.deepcopy(self._saved))
 
     def sync(self) -> None:
         broadcast_optimizer_state(self.value, root_rank=0)
@@ -67,13 +69,7 @@ class _SamplerHandler(_Handler):
         self.value.load_state_dict(copy.deepcopy(self._saved))
 
     def sync(self) -> None:
-        # every rank's processed samples, then rank 0's epoch: all ranks resume from one position
-        processed: Set[int] = set()
-        for indices in allgather_object(self.value.processed_indices):
-            processed.update(indices)
-        state = self.value.state_dict()
-        state["processed_indices"] = processed
-        self.value.load_state_dict(broadcast_object(state, root_rank=0))
+        self.value.load_state_dict(broadcast_object(self.value.state_dict(), root_rank=0))
 
 
 def _handler_for(value: Any):
@@ -90,8 +86,9 @@ class TorchState(ObjectState):
     """A model, an optimizer, ``ElasticSampler``s and plain attributes, committed and synced together.
 
     Models keep a copy of ``state_dict()`` on commit and are synced with ``broadcast_parameters``;
-    optimizers likewise with ``broadcast_optimizer_state``; samplers sync the union of every
-    rank's processed samples. Assigning ``state.model = other`` makes ``other`` the one tracked.
+    optimizers likewise with ``broadcast_optimizer_state``; samplers keep their ``state_dict()``
+    and sync rank 0's. Other attributes follow ``ObjectState`` (a scheduler stays the same object).
+    Assigning ``state.model = other`` makes ``other`` the one tracked.
 
     Example:
         state = hvd.elastic.TorchState(model, optimizer, train_sampler=sampler, epoch=1, batch=0)
@@ -135,13 +132,18 @@ class TorchState(ObjectState):
 
 
 class ElasticSampler(torch.utils.data.Sampler):
-    """This rank's share of a dataset, skipping what was recorded as processed this epoch.
+    """This rank's share of a dataset, skipping the samples the job processed this epoch.
 
-    Each epoch (``set_epoch``) the remaining indices are shuffled alike on every rank (seeded by
-    ``seed + epoch``) when ``shuffle``, padded by repeating the first ones to a multiple of the
-    number of ranks, and dealt out round-robin: rank r takes positions r, r + size, ...
-    ``record_batch(i, batch_size)`` marks the i-th batch this rank drew as processed; a
-    ``TorchState`` holding the sampler shares those marks at ``sync()``.
+    Each epoch's order is the dataset's indices, shuffled alike on every rank (Python's
+    ``random.Random(seed + epoch)``, as Horovod 0.28.1) when ``shuffle``. The samples not yet
+    processed are that order from position ``processed_num`` on; they are padded by repeating the
+    first ones to a multiple of the number of ranks and dealt out round-robin: rank r takes
+    positions r, r + size, ... So after every rank has drawn b batches of ``batch_size``, the
+    first ``b * batch_size * size`` positions are exactly the samples processed, and
+    ``record_batch(i, batch_size)``, called for each batch on every rank, counts them in
+    ``processed_num``: a count that is the same on every rank, so that ``restore()``, a sync or a
+    checkpoint of ``state_dict()`` (Horovod's format: ``epoch``, ``processed_num``) written by
+    rank 0 resumes every rank where the job stopped.
 
     Args:
         dataset: anything with ``len()``.
@@ -154,50 +156,52 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.shuffle = shuffle
         self.seed = seed
         self.epoch = 0
-        self.processed_indices: Set[int] = set()
-        self.indices: List[int] = []
+        self.processed_num = 0
         self.reset()
 
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch ``epoch``: a new order, and nothing processed yet."""
+        """Start epoch ``epoch``: a new order, and nothing processed yet (call it when an epoch ends
+        or begins, not in its middle)."""
         self.epoch = epoch
-        self.processed_indices = set()
+        self.processed_num = 0
         self.reset()
 
     def record_batch(self, batch_idx: int, batch_size: int) -> None:
-        """Mark the ``batch_idx``-th batch of ``batch_size`` that this rank drew as processed."""
-        self.record_indices(self.get_indices(batch_idx, batch_size))
+        """Count one batch of ``batch_size`` drawn by every rank as processed (``batch_idx`` is
+        accepted for Horovod compatibility; batches are counted in the order drawn)."""
+        self.processed_num += batch_size * self.num_replicas
 
     def record_indices(self, indices: Any) -> None:
-        self.processed_indices.update(int(i) for i in indices)
+        """Count ``indices``, this rank's share of one batch drawn by every rank, as processed (the
+        older Horovod form of ``record_batch``)."""
+        self.record_batch(0, len(list(indices)))
 
     def get_indices(self, batch_idx: int, batch_size: int) -> List[int]:
-        """The dataset indices of this rank's ``batch_idx``-th batch of ``batch_size``."""
+        """The dataset indices of this rank's ``batch_idx``-th batch of ``batch_size`` this epoch."""
+        mine = self._share()
         start = batch_idx * batch_size
-        return self.indices[start:min(start + batch_size, len(self.indices))]
+        return mine[start:min(start + batch_size, len(mine))]
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"epoch": self.epoch, "processed_indices": set(self.processed_indices)}
+        return {"epoch": self.epoch, "processed_num": self.processed_num}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self.epoch = state_dict["epoch"]
-        self.processed_indices = set(state_dict["processed_indices"])
+        self.processed_num = state_dict["processed_num"]
         self.reset()
 
     def reset(self) -> None:
-        """Recompute this rank's share from the ranks and what is processed (after a sync)."""
+        """Recompute this rank's share from the ranks, the epoch and ``processed_num``."""
         self.num_replicas, self.rank = size(), rank()
-        self.remaining_indices = [i for i in range(len(self.dataset)) if i not in self.processed_indices]
+        order = list(range(len(self.dataset)))
+        if self.shuffle:
+            random.Random(self.seed + self.epoch).shuffle(order)
+        self.remaining_indices = order[self.processed_num:]
         self.num_samples = math.ceil(len(self.remaining_indices) / self.num_replicas)
         self.total_size = self.num_samples * self.num_replicas
-        self.indices = self._share()
 
     def _share(self) -> List[int]:
         order = list(self.remaining_indices)
-        if self.shuffle:
-            generator = torch.Generator()
-            generator.manual_seed(self.seed + self.epoch)
-            order = [order[i] for i in torch.randperm(len(order), generator=generator).tolist()]
         while order and len(order) < self.total_size:  # pad, repeating from the start
             order += order[:self.total_size - len(order)]
         return order[self.rank:self.total_size:self.num_replicas]

@@ -2,7 +2,8 @@
 
 ``import horovod.tensorflow.keras as hvd`` ports as ``import hvddp.tensorflow.keras as hvd``. Every
 name here is ``hvddp.keras``'s, the same objects (``DistributedOptimizer``, ``callbacks``,
-``load_model``, the collectives and the runtime), so the two imports can be mixed in one program.
+``load_model``, the collectives and the runtime), so the two imports can be mixed in one program;
+``hvddp.tensorflow.keras.callbacks`` and ``.elastic`` are ``hvddp.keras``'s modules of those names.
 Keras 3 runs it on whichever backend ``KERAS_BACKEND`` names; Horovod's module meant TensorFlow.
 """
 
