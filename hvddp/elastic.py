@@ -105,10 +105,13 @@ class ObjectState(State):
     ``commit()`` records their current values; ``restore()`` sets them back to the last commit;
     ``sync()`` sets them, on every rank, to rank 0's last commit (so commit before syncing what
     changed since). A value is recorded as a deep copy, so changing a list after a commit does not
-    change the commit (Horovod keeps a reference). An object with ``state_dict()`` and
-    ``load_state_dict()`` (a learning-rate scheduler, a ``GradScaler``) stays the same object:
-    its ``state_dict()`` is recorded, and restoring or syncing loads one into it, so whatever
-    refers to it (a scheduler to its optimizer) keeps working.
+    change the commit (Horovod keeps a reference).
+
+    An object with ``state_dict()`` and ``load_state_dict()`` (a learning-rate scheduler, a
+    ``GradScaler``) is kept in place instead: a commit records the object and a copy of its
+    ``state_dict()``; a restore puts that object back and loads the copy into it, so whatever
+    refers to it (a scheduler to its optimizer) keeps working; a sync loads rank 0's current
+    ``state_dict()`` into it, as models and optimizers sync their current values.
     """
 
     def __init__(self, bcast_object: Callable = broadcast_object, get_rank: Callable = rank,
@@ -122,48 +125,66 @@ class ObjectState(State):
         self._saved_state = {name: _record(getattr(self, name)) for name in self._saved_state}
 
     def restore(self) -> None:
-        self._set_attrs()
-
-    def sync(self) -> None:
-        if self._saved_state:
-            self._saved_state = self._bcast_object(self._saved_state)
-            self._set_attrs()
-
-    def _set_attrs(self) -> None:
         for name, saved in self._saved_state.items():
             if isinstance(saved, _Recorded):
-                getattr(self, name).load_state_dict(_copy(saved.state))
+                setattr(self, name, saved.obj)  # the committed object, even if another was assigned
+                saved.obj.load_state_dict(_copy(saved.state))
             else:
                 setattr(self, name, _copy(saved))  # later changes must not reach the commit
 
+    def sync(self) -> None:
+        if not self._saved_state:
+            return
+        outgoing = {}
+        for name, saved in self._saved_state.items():
+            current = getattr(self, name)
+            outgoing[name] = _Recorded(None, current.state_dict()) if _stateful(current) else saved
+        for name, value in self._bcast_object(outgoing).items():
+            if isinstance(value, _Recorded):
+                current = getattr(self, name)
+                current.load_state_dict(value.state)
+                self._saved_state[name] = _record(current)
+            else:
+                self._saved_state[name] = value
+                setattr(self, name, _copy(value))
+
 
 class _Recorded:
-    """The ``state_dict()`` of an attribute that is kept in place (picklable, for ``sync``)."""
+    """An attribute kept in place: the object and a copy of its ``state_dict()``; only the state
+    travels when pickled (for ``sync``)."""
 
-    __slots__ = ("state",)
+    __slots__ = ("obj", "state")
 
-    def __init__(self, state: Any) -> None:
-        self.state = state
+    def __init__(self, obj: Any, state: Any) -> None:
+        self.obj, self.state = obj, state
 
     def __getstate__(self) -> Any:
         return (self.state,)  # never falsy, so that unpickling calls __setstate__
 
     def __setstate__(self, state: Any) -> None:
-        self.state = state[0]
+        self.obj, self.state = None, state[0]
+
+
+def _stateful(value: Any) -> bool:
+    return not isinstance(value, type) and callable(getattr(value, "state_dict", None)) \
+        and callable(getattr(value, "load_state_dict", None))
 
 
 def _record(value: Any) -> Any:
-    if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
-        return _Recorded(_copy(value.state_dict()))
-    return _copy(value)
+    return _Recorded(value, _copy(value.state_dict())) if _stateful(value) else _copy(value)
 
 
 def _copy(value: Any) -> Any:
-    """A deep copy, so that a commit is not changed through the live object; the object itself
-    when it cannot be copied (a lock, an open file)."""
+    """A deep copy, so that a commit is not changed through the live object; a dict or list that
+    cannot be copied whole is copied item by item, and an item that cannot be copied at all (a
+    lock, an open file) is kept as it is."""
     try:
         return copy.deepcopy(value)
     except Exception:
+        if isinstance(value, dict):
+            return {k: _copy(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [_copy(v) for v in value]
         return value
 
 

@@ -1,5 +1,7 @@
 """hvddp.torch.elastic at a fixed size, run by every rank under mpiexec (tests/test_torch.py)."""
 
+import threading
+
 import pytest
 import torch
 
@@ -113,6 +115,44 @@ def test_a_scheduler_stays_the_same_object_and_drives_the_real_optimizer():
     _step(model, optimizer)
     state.scheduler.step()
     assert optimizer.param_groups[0]["lr"] == 0.05  # the scheduler still drives this optimizer
+
+
+def test_kept_objects_sync_rank_zeros_current_state_and_restore_the_committed_object():
+    model, optimizer = _model_and_optimizer(seed=0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    if RANK == 0:  # e.g. resumed from a checkpoint before training: rank 0's current state wins
+        for _ in range(3):
+            _step(model, optimizer)
+            scheduler.step()
+    state = hvd.elastic.TorchState(model, optimizer, scheduler=scheduler, model_cls=torch.nn.Linear)
+    state.sync()
+    assert scheduler.last_epoch == 3 and optimizer.param_groups[0]["lr"] == 0.1 * 0.5 ** 3
+    assert state.model_cls is torch.nn.Linear  # a class is a plain value, though it has state_dict
+    state.commit()
+    state.scheduler = None
+    state.restore()
+    assert state.scheduler is scheduler and scheduler.last_epoch == 3
+
+
+class _Locked:
+    """state_dict() holds something deepcopy refuses: the rest is still copied item by item."""
+
+    def __init__(self):
+        self.items, self.lock = [1], threading.Lock()
+
+    def state_dict(self):
+        return {"items": self.items, "lock": self.lock}
+
+    def load_state_dict(self, state):
+        self.items = list(state["items"])
+
+
+def test_a_commit_that_cannot_be_deep_copied_whole_is_copied_item_by_item():
+    locked = _Locked()
+    state = hvd.elastic.ObjectState(locked=locked)
+    locked.items.append(2)
+    state.restore()
+    assert locked.items == [1]
 
 
 def test_object_state_commit_is_a_copy():

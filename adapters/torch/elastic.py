@@ -160,8 +160,9 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.reset()
 
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch ``epoch``: a new order, and nothing processed yet (call it when an epoch ends
-        or begins, not in its middle)."""
+        """Start epoch ``epoch``: a new order, and nothing processed yet. Call it when an epoch ends,
+        as Horovod advises: called when one begins, it would also undo the count a resumed
+        mid-epoch state brought back."""
         self.epoch = epoch
         self.processed_num = 0
         self.reset()
@@ -178,9 +179,8 @@ class ElasticSampler(torch.utils.data.Sampler):
 
     def get_indices(self, batch_idx: int, batch_size: int) -> List[int]:
         """The dataset indices of this rank's ``batch_idx``-th batch of ``batch_size`` this epoch."""
-        mine = self._share()
         start = batch_idx * batch_size
-        return mine[start:min(start + batch_size, len(mine))]
+        return self.indices[start:min(start + batch_size, len(self.indices))]
 
     def state_dict(self) -> Dict[str, Any]:
         return {"epoch": self.epoch, "processed_num": self.processed_num}
@@ -199,16 +199,13 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.remaining_indices = order[self.processed_num:]
         self.num_samples = math.ceil(len(self.remaining_indices) / self.num_replicas)
         self.total_size = self.num_samples * self.num_replicas
-
-    def _share(self) -> List[int]:
-        order = list(self.remaining_indices)
-        while order and len(order) < self.total_size:  # pad, repeating from the start
-            order += order[:self.total_size - len(order)]
-        return order[self.rank:self.total_size:self.num_replicas]
+        padded = list(self.remaining_indices)
+        while padded and len(padded) < self.total_size:  # pad, repeating from the start
+            padded += padded[:self.total_size - len(padded)]
+        self.indices = padded[self.rank:self.total_size:self.num_replicas]  # this rank's share
 
     def __iter__(self) -> Iterator[int]:
-        self.indices = self._share()
-        return iter(self.indices)
+        return iter(list(self.indices))
 
     def __len__(self) -> int:
         return self.num_samples

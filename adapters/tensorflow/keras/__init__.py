@@ -9,5 +9,12 @@ Keras 3 runs it on whichever backend ``KERAS_BACKEND`` names; Horovod's module m
 
 from __future__ import annotations
 
+import sys as _sys
+
 from hvddp.keras import *  # noqa: F401,F403 - the whole of hvddp.keras, by design
-from hvddp.keras import __all__, callbacks, checkpoint  # noqa: F401
+from hvddp.keras import __all__, callbacks, checkpoint, elastic  # noqa: F401
+
+# ``import hvddp.tensorflow.keras.callbacks`` (and .elastic, .checkpoint) finds hvddp.keras's modules
+for _name in ("callbacks", "checkpoint", "elastic"):
+    _sys.modules[f"{__name__}.{_name}"] = _sys.modules[f"hvddp.keras.{_name}"]
+del _name
