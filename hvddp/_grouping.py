@@ -172,3 +172,13 @@ def check_predivide(op: Any, gradient_predivide_factor: Any, fn: str) -> float:
         raise ValueError(f"{fn}: gradient_predivide_factor only applies with op=Average; "
                          f"Received: op={op!r}, gradient_predivide_factor={factor!r}.")
     return factor
+
+
+# The core has no uint16/32/64: broadcasts send their bits as the signed type of the same width.
+_SIGNED = {"uint16": np.int16, "uint32": np.int32, "uint64": np.int64}
+
+
+def wire(array: np.ndarray) -> np.ndarray:
+    """``array``, or a view of its bits as a type the core moves (for copies such as broadcast)."""
+    signed = _SIGNED.get(array.dtype.name)
+    return array if signed is None else array.view(signed)

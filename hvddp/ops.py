@@ -636,6 +636,14 @@ def _process_set_op(what: str, ps: ProcessSet, state):
     return handle.wait()
 
 
+def _pickled(obj: Any):
+    """(the pickled bytes as uint8, None), or (None, the exception) when ``obj`` cannot be pickled."""
+    try:
+        return np.frombuffer(_dumps(obj), dtype=np.uint8), None
+    except Exception as exc:  # pickling runs user code (__reduce__): any error is this rank's
+        return None, exc
+
+
 def _dumps(obj: Any) -> bytes:
     """``cloudpickle`` where it is installed (as Horovod: lambdas and local functions travel too),
     else ``pickle``; ``pickle.loads`` reads both."""
@@ -653,9 +661,13 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
     _, view = _process_set(process_set, "broadcast_object")
     is_root = view.rank == _root("broadcast_object", root_rank, view, process_set)
     name = name or _auto_name("broadcast_object", process_set)
-    data = np.frombuffer(_dumps(obj), dtype=np.uint8) if is_root else None
-    length = np.array([data.size if is_root else 0], dtype=np.int64)
+    data, failure = _pickled(obj) if is_root else (None, None)
+    length = np.array([data.size if data is not None else -1], dtype=np.int64)
     length = broadcast(length, root_rank, f"{name}.size", process_set)
+    if int(length[0]) < 0:  # the root could not pickle it: every rank raises, none waits
+        why = f" ({type(failure).__name__}: {failure})" if failure is not None else ""
+        raise TypeError(f"broadcast_object: rank {root_rank} could not pickle its object{why}; send only "
+                        f"picklable values (no locks, open files or sockets).") from failure
     buf = data if is_root else np.zeros(int(length[0]), dtype=np.uint8)
     buf = broadcast(buf, root_rank, f"{name}.data", process_set)
     return obj if is_root else pickle.loads(buf.tobytes())
@@ -667,8 +679,14 @@ def allgather_object(obj: Any, name: Optional[str] = None,
     name = _check_name(name, "allgather_object")
     _process_set(process_set, "allgather_object")
     name = name or _auto_name("allgather_object", process_set)
-    data = np.frombuffer(_dumps(obj), dtype=np.uint8)
-    sizes = allgather(np.array([data.size], dtype=np.int64), f"{name}.size", process_set)
+    data, failure = _pickled(obj)
+    sizes = allgather(np.array([data.size if data is not None else -1], dtype=np.int64), f"{name}.size",
+                      process_set)
+    if (sizes < 0).any():  # some rank could not pickle its object: every rank raises, none waits
+        bad = [r for r, n in enumerate(sizes.tolist()) if n < 0]
+        why = f" (here: {type(failure).__name__}: {failure})" if failure is not None else ""
+        raise TypeError(f"allgather_object: rank(s) {bad} of the process set could not pickle their "
+                        f"object{why}; send only picklable values (no locks, open files or sockets).") from failure
     gathered = allgather(data, f"{name}.data", process_set)
     out, offset = [], 0
     for n in sizes.tolist():

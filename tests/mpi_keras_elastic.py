@@ -116,9 +116,24 @@ def test_broadcast_callback_on_a_model_that_its_first_step_builds():
     assert same_on_every_rank(values(model))
 
 
+def test_broadcast_callback_when_only_rank_zero_built_the_model():
+    """Rank 0 built its model (say, to load a checkpoint) and the others leave it to fit: the
+    ranks agree to broadcast after the first step, instead of some waiting for the others."""
+    keras.utils.set_random_seed(RANK)
+    model = keras.Sequential([layers.Dense(6, activation="tanh"), layers.Dense(2)])
+    if RANK == 0:
+        model.build((None, 4))
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
+    x, y = data(seed=RANK)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    assert same_on_every_rank(values(model))
+
+
 def test_names_are_the_core_ones():
     assert hvd.elastic.run is hvddp.elastic.run and hvd.elastic.ObjectState is hvddp.elastic.ObjectState
     assert hvd.HostsUpdatedInterrupt is hvddp.elastic.HostsUpdatedInterrupt
+    assert hvd.elastic.TensorFlowKerasState is hvd.elastic.KerasState  # Horovod's Keras name too
     with pytest.raises(TypeError, match="model must be a keras.Model"):
         hvd.elastic.KerasState(object())
 
@@ -129,10 +144,12 @@ def test_tensorflow_state_syncs_commits_and_restores_variables():
 
     import hvddp.tensorflow as hvd_tf
 
-    variables = [tf.Variable(np.full(3, RANK, dtype=np.float32)), tf.Variable(RANK + 10)]
+    variables = [tf.Variable(np.full(3, RANK, dtype=np.float32)), tf.Variable(RANK + 10),
+                 tf.Variable(np.full(2, 60000 + RANK, dtype=np.uint16))]  # (uint16 travels as its bits)
     state = hvd_tf.elastic.TensorFlowState(variables, step=RANK)
     state.sync()
     assert variables[0].numpy().tolist() == [0.0] * 3 and int(variables[1].numpy()) == 10 and state.step == 0
+    assert variables[2].numpy().tolist() == [60000, 60000]
     variables[0].assign_add(np.ones(3, np.float32))
     state.step = 1
     state.commit()

@@ -70,6 +70,19 @@ def _step(model, optimizer, scale=1.0):
     optimizer.step()
 
 
+def test_a_restore_before_any_commit_returns_every_rank_to_rank_zeros_synced_state():
+    model, optimizer = _model_and_optimizer(seed=RANK)
+    state = hvd.elastic.TorchState(model, optimizer, epoch=RANK)
+    state.sync()
+    _step(model, optimizer)
+    state.restore()
+    assert same(_gathered(model.weight.detach().tolist())) and state.epoch == 0
+
+
+def same(values):
+    return all(v == values[0] for v in values)
+
+
 def test_torch_state_syncs_from_rank_zero_commits_and_restores():
     model, optimizer = _model_and_optimizer(seed=RANK)  # different on every rank
     _step(model, optimizer, scale=RANK + 1.0)  # rank-dependent momentum

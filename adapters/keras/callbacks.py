@@ -70,8 +70,14 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         # A model without an Input is built by its first step (TensorFlow backend): then broadcast
-        # at the end of that step, as Horovod always does, rather than nothing now.
-        if not self.broadcast_done and self.model.built:
+        # at the end of that step, as Horovod always does, rather than nothing now. The ranks
+        # agree on when (a model may be built on some ranks only, e.g. by a checkpoint rank 0
+        # loaded), or some would broadcast while others reduce their first gradients.
+        if self.broadcast_done:
+            return
+        built = hvddp.allreduce(np.array([int(bool(self.model.built))], dtype=np.int32), op=hvddp.Min,
+                                name="keras.bcast_cb.built", process_set=self.process_set)
+        if int(built[0]):
             self._broadcast()
 
     def on_train_batch_end(self, batch, logs=None):

@@ -27,7 +27,7 @@ from . import _backend
 from .callbacks import shared_variables
 from .functions import broadcast_variables
 
-__all__ = ["run", "State", "ObjectState", "KerasState", "HostsUpdatedInterrupt", "CommitStateCallback",
+__all__ = ["run", "State", "ObjectState", "KerasState", "TensorFlowKerasState", "HostsUpdatedInterrupt", "CommitStateCallback",
            "UpdateBatchStateCallback", "UpdateEpochStateCallback"]
 
 
@@ -68,6 +68,10 @@ class KerasState(VariablesState):
 
     def _broadcast(self, variables: list) -> None:
         broadcast_variables(variables, root_rank=0, prefix="keras.elastic")
+
+
+# Horovod's Keras packages name it so too
+TensorFlowKerasState = KerasState
 
 
 class CommitStateCallback(keras.callbacks.Callback):

@@ -157,7 +157,7 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int = 0,
     _grouping.check_same_lists(f"{prefix}.check", [getattr(v, "path", f"variable {i}") for i, v in
                                                    enumerate(variables)],
                                [a.shape for a in values], [a.dtype.name for a in values], process_set)
-    handles = [hvddp.broadcast_async(_wire(value), root_rank, name=f"{prefix}.{i}", process_set=process_set)
+    handles = [hvddp.broadcast_async(_grouping.wire(value), root_rank, name=f"{prefix}.{i}", process_set=process_set)
                for i, value in enumerate(values)]
     for v, value, handle in zip(variables, values, handles):
         v.assign(handle.wait().view(value.dtype))
@@ -174,11 +174,3 @@ def broadcast_global_variables(root_rank: int) -> None:
         f"Use hvd.broadcast_variables(model.variables, root_rank={root_rank!r}) after the model is built, "
         f"or pass hvd.callbacks.BroadcastGlobalVariablesCallback({root_rank!r}) to fit().")
 
-
-# The core has no uint16/32/64; send their bits as the signed type of the same width.
-_SIGNED = {"uint16": np.int16, "uint32": np.int32, "uint64": np.int64}
-
-
-def _wire(array: np.ndarray) -> np.ndarray:
-    signed = _SIGNED.get(array.dtype.name)
-    return array if signed is None else array.view(signed)

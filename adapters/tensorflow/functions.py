@@ -81,9 +81,9 @@ def _broadcast_values(values: List[np.ndarray], labels: List[str], root_rank: in
                       process_set: ProcessSet) -> List[np.ndarray]:
     _grouping.check_same_lists("tf.bcast.check", labels, [a.shape for a in values],
                                [a.dtype.name for a in values], process_set)
-    handles = [hvddp.broadcast_async(value, root_rank, name=f"tf.bcast.{i}", process_set=process_set)
-               for i, value in enumerate(values)]
-    return [np.asarray(h.wait(), dtype=value.dtype) for value, h in zip(values, handles)]
+    handles = [hvddp.broadcast_async(_grouping.wire(value), root_rank, name=f"tf.bcast.{i}",
+                                     process_set=process_set) for i, value in enumerate(values)]
+    return [np.asarray(h.wait()).view(value.dtype) for value, h in zip(values, handles)]
 
 
 def broadcast_global_variables(root_rank: int) -> None:

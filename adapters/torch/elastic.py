@@ -128,6 +128,7 @@ class TorchState(ObjectState):
     def sync(self) -> None:
         for handler in self._handlers.values():
             handler.sync()
+            handler.save()  # a restore before the next commit returns to rank 0's, on every rank
         super().sync()
 
 
