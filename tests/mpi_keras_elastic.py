@@ -104,30 +104,28 @@ def test_keras_state_refuses_what_it_could_not_keep():
     hvd.elastic.KerasState(uncompiled, optimizer=keras.optimizers.SGD())
 
 
-def test_broadcast_callback_on_a_model_that_its_first_step_builds():
-    """No Input: on the TensorFlow backend the first step builds the model, after on_train_begin;
-    the callback then broadcasts at the end of that step (Horovod's timing), and the replicas agree."""
+def _fit_unbuilt_with_broadcast_callback(built_on_rank_zero):
     keras.utils.set_random_seed(RANK)  # different initial weights on every rank
-    model = keras.Sequential([layers.Dense(6, activation="tanh"), layers.Dense(2)])
-    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
-    x, y = data(seed=RANK)
-    model.fit(x, y, batch_size=8, epochs=1, verbose=0,
-              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
-    assert same_on_every_rank(values(model))
-
-
-def test_broadcast_callback_when_only_rank_zero_built_the_model():
-    """Rank 0 built its model (say, to load a checkpoint) and the others leave it to fit: the
-    ranks agree to broadcast after the first step, instead of some waiting for the others."""
-    keras.utils.set_random_seed(RANK)
-    model = keras.Sequential([layers.Dense(6, activation="tanh"), layers.Dense(2)])
-    if RANK == 0:
+    model = keras.Sequential([layers.Dense(6, activation="tanh"), layers.Dense(2)])  # no Input
+    if built_on_rank_zero and RANK == 0:
         model.build((None, 4))
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
     x, y = data(seed=RANK)
     model.fit(x, y, batch_size=8, epochs=1, verbose=0,
               callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
-    assert same_on_every_rank(values(model))
+    return model
+
+
+def test_broadcast_callback_on_a_model_that_its_first_step_builds():
+    """No Input: on the TensorFlow backend the first step builds the model, after on_train_begin;
+    the callback then broadcasts at the end of that step (Horovod's timing), and the replicas agree."""
+    assert same_on_every_rank(values(_fit_unbuilt_with_broadcast_callback(built_on_rank_zero=False)))
+
+
+def test_broadcast_callback_when_only_rank_zero_built_the_model():
+    """Rank 0 built its model (say, to load a checkpoint) and the others leave it to fit: the
+    ranks agree to broadcast after the first step, instead of some waiting for the others."""
+    assert same_on_every_rank(values(_fit_unbuilt_with_broadcast_callback(built_on_rank_zero=True)))
 
 
 def test_names_are_the_core_ones():

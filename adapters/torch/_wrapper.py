@@ -70,6 +70,29 @@ class WrapperCommon:
     def backward_passes_per_step(self, passes: int) -> None:
         self.set_backward_passes_per_step(passes)
 
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a parameter group (as the wrapped optimizer does) and communicate for it too."""
+        super().add_param_group(param_group)
+        if not hasattr(self, "_hvddp_names"):
+            return  # called from the wrapped class's __init__, before set-up
+        gi = len(self.param_groups) - 1
+        for j, p in enumerate(self.param_groups[-1]["params"]):
+            if p not in self._hvddp_names:
+                self._hvddp_names[p] = f"noname.{gi}.{j}"
+                self._hvddp_added(p)
+
+    def _hvddp_added(self, p) -> None:
+        """A parameter of a group added after set-up: track it if it trains."""
+        if p.requires_grad:
+            self._hvddp_track(p)
+
+    def _hvddp_track(self, p) -> None:
+        """Communicate for ``p`` from now on: listed, counted, and hooked when active."""
+        self._hvddp_params.append(p)
+        self._hvddp_delay[p] = self._hvddp_bpps
+        if self._hvddp_active:
+            self._hvddp_hooks.append(p.register_post_accumulate_grad_hook(self._hvddp_hook_fn))
+
     def _hvddp_mark_stepped(self) -> None:
         wrapped = getattr(self, "_hvddp_wrapped", None)
         wrapped = wrapped() if wrapped is not None else None

@@ -60,25 +60,6 @@ class _DistributedAdasumOptimizer(WrapperCommon):
                                  for p in self._hvddp_params]
             weakref.finalize(self, remove_hooks, self._hvddp_hooks)
 
-    def _hvddp_track(self, p: torch.Tensor) -> None:
-        """Combine ``p``'s updates from now on (a group added, or a parameter unfrozen)."""
-        self._hvddp_params.append(p)
-        self._hvddp_delay[p] = self._hvddp_bpps
-        if self._hvddp_active:
-            self._hvddp_hooks.append(p.register_post_accumulate_grad_hook(self._hvddp_hook_fn))
-
-    def add_param_group(self, param_group: dict) -> None:
-        """Add a parameter group (as the wrapped optimizer does) and combine its updates too."""
-        super().add_param_group(param_group)
-        if not hasattr(self, "_hvddp_names"):
-            return  # called from the wrapped class's __init__, before set-up
-        gi = len(self.param_groups) - 1
-        for j, p in enumerate(self.param_groups[-1]["params"]):
-            if p not in self._hvddp_names:
-                self._hvddp_names[p] = f"noname.{gi}.{j}"
-                if p.requires_grad:
-                    self._hvddp_track(p)
-
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Accumulate ``passes`` backward passes before each update from now on (as Horovod's);
         call it between ``step()`` and the next backward pass."""

@@ -27,7 +27,9 @@ __all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler", "Hosts
 
 
 class _Handler:
-    """How one framework object in a ``TorchState`` is saved, restored and synced."""
+    """How one framework object in a ``TorchState`` is synced; it is committed as a copy of its
+    ``state_dict()`` and restored from a copy of that (``load_state_dict`` may adopt the tensors
+    it is given, which later steps would then change)."""
 
     def __init__(self, value: Any) -> None:
         self.value = value
@@ -37,37 +39,24 @@ class _Handler:
         self.value = value
         self.save()
 
-
-class _ModelHandler(_Handler):
     def save(self) -> None:
         self._saved = copy.deepcopy(self.value.state_dict())
 
     def restore(self) -> None:
-        self.value.load_state_dict(self._saved)
+        self.value.load_state_dict(copy.deepcopy(self._saved))
 
+
+class _ModelHandler(_Handler):
     def sync(self) -> None:
         broadcast_parameters(self.value.state_dict(), root_rank=0)
 
 
 class _OptimizerHandler(_Handler):
-    def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
-
-    def restore(self) -> None:
-        # a copy: load_state_dict may adopt the tensors it is given, which later steps would change
-        self.value.load_state_dict(copy.deepcopy(self._saved))
-
     def sync(self) -> None:
         broadcast_optimizer_state(self.value, root_rank=0)
 
 
 class _SamplerHandler(_Handler):
-    def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
-
-    def restore(self) -> None:
-        self.value.load_state_dict(copy.deepcopy(self._saved))
-
     def sync(self) -> None:
         self.value.load_state_dict(broadcast_object(self.value.state_dict(), root_rank=0))
 

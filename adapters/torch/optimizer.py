@@ -221,28 +221,13 @@ class _DistributedOptimizer(WrapperCommon):
                 out.append(list(group))
         return out
 
-    def add_param_group(self, param_group: dict) -> None:
-        """Add a parameter group (as the wrapped optimizer does) and reduce its gradients too."""
-        super().add_param_group(param_group)
-        if not hasattr(self, "_hvddp_names"):
-            return  # called from the wrapped class's __init__, before set-up
-        gi = len(self.param_groups) - 1
-        for j, p in enumerate(self.param_groups[-1]["params"]):
-            if p in self._hvddp_names:
-                continue
-            self._hvddp_names[p] = f"noname.{gi}.{j}"
-            self._hvddp_full_names[p] = self._hvddp_prefix + self._hvddp_names[p]
-            if not p.requires_grad:
-                self._hvddp_frozen.append(p)
-                continue
-            self._hvddp_track(p)
-
-    def _hvddp_track(self, p: torch.Tensor) -> None:
-        """Reduce ``p``'s gradient from now on: listed, counted, and hooked when active."""
-        self._hvddp_params.append(p)
-        self._hvddp_delay[p] = self._hvddp_bpps
-        if self._hvddp_active:
-            self._hvddp_hooks.append(p.register_post_accumulate_grad_hook(self._hvddp_hook_fn))
+    def _hvddp_added(self, p: torch.Tensor) -> None:
+        """A parameter of a group added after set-up: named in full, and tracked unless frozen."""
+        self._hvddp_full_names[p] = self._hvddp_prefix + self._hvddp_names[p]
+        if not p.requires_grad:
+            self._hvddp_frozen.append(p)
+            return
+        self._hvddp_track(p)
 
     # backward side -----------------------------------------------------------------------
     def _hvddp_hook(self, p: torch.Tensor) -> None:
