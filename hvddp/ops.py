@@ -179,10 +179,7 @@ def _entry(kind: Kind, array: np.ndarray, name: str, view, handle: Handle, index
     contiguous = array if array.flags.c_contiguous else np.ascontiguousarray(array)
     writeback = None
     output = None
-    if inplace:
-        if not array.flags.writeable:
-            raise ValueError(f"{kind.value}_: tensor {name!r} is read-only; in-place collectives "
-                             f"need a writable array (use the out-of-place form).")
+    if inplace:  # (writable: _check_inplace ran before the call took its name)
         output = contiguous
         if contiguous is not array:
             writeback = array
@@ -220,6 +217,19 @@ def _submit(state, entries: List[Entry]) -> None:
         for e in entries:
             e.group_keys = keys
     state.engine.submit(entries)
+
+
+def _check_inplace(fn: str, arg: str, tensor: Any, array: Any) -> None:
+    """An in-place collective writes its result into ``tensor``: a writable numpy array (or a
+    device tensor). Checked before the call takes an automatic name."""
+    if hasattr(array, "dtype_name"):  # a device tensor
+        return
+    if not isinstance(tensor, np.ndarray):
+        raise TypeError(f"{fn}: {arg} must be a writable numpy array for an in-place collective, "
+                        f"got {type(tensor).__name__}; use the out-of-place form.")
+    if not tensor.flags.writeable:
+        raise ValueError(f"{fn}: {arg} is read-only; in-place collectives need a writable array "
+                         f"(use the out-of-place form).")
 
 
 # allreduce --------------------------------------------------------------------------------
@@ -263,7 +273,8 @@ def _member_names(fn: str, base: Optional[str], names: Optional[Sequence[str]], 
 def _allreduce(fn: str, tensors: Sequence[Any], average, name, op, prescale_factor, postscale_factor,
                process_set, inplace: bool, grouped: bool, names: Optional[Sequence[str]] = None) -> Handle:
     if not grouped and average is None and (op is None or type(op) is ReduceOp and op < Adasum) \
-            and prescale_factor == 1.0 and postscale_factor == 1.0 and type(process_set) is ProcessSet:
+            and prescale_factor == 1.0 and postscale_factor == 1.0 and type(prescale_factor) is not bool \
+            and type(postscale_factor) is not bool and type(process_set) is ProcessSet:
         handle = _allreduce_one(tensors[0], name, process_set, inplace, int(op or 0))
         if handle is not None:
             return handle
@@ -278,9 +289,8 @@ def _allreduce(fn: str, tensors: Sequence[Any], average, name, op, prescale_fact
     for i, (a, t) in enumerate(zip(arrays, tensors)):
         arg = f"tensors[{i}]" if grouped else "tensor"
         _check_reduce(a, op, fn, arg, pre, post)
-        if inplace and not isinstance(t, np.ndarray) and not hasattr(a, "dtype_name"):
-            raise TypeError(f"{fn}: {arg} must be a writable numpy array for an in-place collective, "
-                            f"got {type(t).__name__}; use the out-of-place form.")
+        if inplace:
+            _check_inplace(fn, arg, t, a)
     if grouped:
         base, names = _member_names(fn, name, names, len(arrays), "grouped_allreduce", process_set)
     else:
@@ -471,11 +481,11 @@ def _root(fn: str, root_rank, view, process_set) -> int:
 def _broadcast(fn: str, tensor, root_rank, name, process_set, inplace: bool) -> Handle:
     state, view = _process_set(process_set, fn)
     root_rank = _root(fn, root_rank, view, process_set)
-    name = _check_name(name, fn) or _auto_name("broadcast", process_set)
+    name = _check_name(name, fn)
     array = _array(tensor, fn)
-    if inplace and not isinstance(tensor, np.ndarray) and not hasattr(array, "dtype_name"):
-        raise TypeError(f"{fn}: tensor must be a writable numpy array for an in-place collective, "
-                        f"got {type(tensor).__name__}; use the out-of-place form.")
+    if inplace:
+        _check_inplace(fn, "tensor", tensor, array)
+    name = name or _auto_name("broadcast", process_set)
     handle = Handle(name, keep=tensor)
     _submit(state, [_entry(Kind.BROADCAST, array, name, view, handle, 0, inplace, root=root_rank)])
     return handle
@@ -630,6 +640,10 @@ def _process_set_op(what: str, ps: ProcessSet, state):
         state.pending_process_sets[name] = ps
         handle = _control(Kind.ADD_PROCESS_SET, name, global_process_set, "add_process_set",
                           extra=tuple(ps.ranks))
+        try:
+            return handle.wait()
+        finally:  # (registered: already taken; refused, say by a mismatch: not kept)
+            state.pending_process_sets.pop(name, None)
     else:
         handle = _control(Kind.REMOVE_PROCESS_SET, name, global_process_set, "remove_process_set",
                           extra=(ps.process_set_id,))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import numbers
 import os
 import sys
 import threading
@@ -45,8 +46,9 @@ class ProcessSet:
             self._mpi_comm = ranks
         else:
             ranks = list(ranks)
-            if not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+            if not all(isinstance(r, numbers.Integral) and not isinstance(r, bool) for r in ranks):
                 raise TypeError(f"ProcessSet ranks must be ints, got {ranks!r}.")
+            ranks = [int(r) for r in ranks]  # (numpy integers too, as Horovod's sorted() takes them)
             if len(set(ranks)) != len(ranks) or not ranks:
                 raise ValueError(f"ProcessSet ranks must be distinct and non-empty, got {ranks!r}.")
             self.ranks = sorted(ranks)
@@ -223,15 +225,20 @@ _AGREED = ("fusion_threshold_bytes", "mpi_chunk_bytes", "cache_capacity", "cma",
 
 def _check_config_agrees(comm, cfg) -> None:
     """Raise on every rank when a setting in ``_AGREED`` differs between ranks."""
-    rows = comm.allgather(tuple(getattr(cfg, field) for field in _AGREED))
-    for i, field in enumerate(_AGREED):
-        values = [row[i] for row in rows]
+    suffixes = [next(k for k, v in _config.VARIABLES.items() if v[0] == field) for field in _AGREED]
+    # each rank's value, and which variable it came from (HVDDP_ or HOROVOD_; None: the default)
+    rows = comm.allgather([(getattr(cfg, field), (_config._lookup(os.environ, suffix) or (None,))[0])
+                           for field, suffix in zip(_AGREED, suffixes)])
+    for i, suffix in enumerate(suffixes):
+        values = [row[i][0] for row in rows]
         if len(set(values)) > 1:
-            name = "HVDDP_" + next(k for k, v in _config.VARIABLES.items() if v[0] == field)
-            listed = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
-            raise ValueError(f"environment variable {name} differs across ranks ({listed}); every "
-                             f"rank must use the same value. Set it for the whole job (mpiexec -genv "
-                             f"{name}=..., or export it before launching).")
+            read = [row[i][1] for row in rows]
+            listed = ", ".join(f"rank {r}: {v!r} ({where or 'the default'})"
+                               for r, (v, where) in enumerate(zip(values, read)))
+            names = sorted({where for where in read if where}) or ["HVDDP_" + suffix]
+            raise ValueError(f"environment variable {' / '.join(names)} differs across ranks ({listed}); "
+                             f"every rank must use the same value. Set it for the whole job (mpiexec "
+                             f"-genv HVDDP_{suffix}=..., or export it before launching).")
 
 
 def init(comm=None, process_sets: Union[None, str, Sequence[ProcessSet]] = None) -> None:
@@ -458,7 +465,11 @@ def _check_process_sets(comm, process_sets) -> List[ProcessSet]:
     if isinstance(process_sets, str) and process_sets.lower() == "dynamic":
         process_sets = None  # Horovod's switch for add/remove after init; always on here
     try:
-        sets = [ps for ps in (process_sets or ()) if ps is not global_process_set]
+        sets, listed = [], set()
+        for ps in process_sets or ():  # each object once: listed twice, it is registered once
+            if ps is not global_process_set and id(ps) not in listed:
+                listed.add(id(ps))
+                sets.append(ps)
         for ps in sets:
             if not isinstance(ps, ProcessSet):
                 raise TypeError(f"init(process_sets=...) takes ProcessSet objects, got {type(ps).__name__}.")

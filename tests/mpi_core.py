@@ -239,6 +239,26 @@ def test_duplicate_pending_name_is_a_value_error():
     hvddp.allreduce(np.ones(2), name="dup")  # fine once the first finished
 
 
+def test_a_refused_call_takes_no_automatic_name():
+    """Rank 0 alone makes in-place calls that are refused (read-only, not an array) and goes
+    on: the next unnamed calls must still carry the same names on every rank, or they would
+    never meet (the names are compared before waiting, so a regression fails, not hangs)."""
+    frozen = np.ones(3)
+    frozen.setflags(write=False)
+    if R == 0:
+        for call in (lambda: hvddp.broadcast_(frozen, 0), lambda: hvddp.allreduce_(frozen),
+                     lambda: hvddp.grouped_allreduce_([frozen]), lambda: hvddp.broadcast_([1.0], 0),
+                     lambda: hvddp.allreduce_([1.0])):
+            with pytest.raises((ValueError, TypeError), match="read-only|numpy array"):
+                call()
+    handles = [hvddp.broadcast_async(np.full(2, float(R)), 0), hvddp.allreduce_async(np.ones(2)),
+               hvddp.grouped_allreduce_async([np.ones(2)])]
+    names = [h.name for h in handles]
+    assert hvddp.allgather_object(names) == [names] * N
+    for h in handles:
+        h.wait()
+
+
 MISMATCHES = {
     "shape": lambda: hvddp.allreduce(np.ones(2 + R), name="mm.shape"),
     "dtype": lambda: hvddp.allreduce(np.ones(2, dtype=np.float32 if R else np.float64), name="mm.dtype"),
@@ -336,6 +356,12 @@ def test_process_set_rank_lists_must_agree():
         pytest.skip("needs two ranks")
     with pytest.raises(hvddp.MismatchError, match="ranks"):
         hvddp.add_process_set([0, 1] if R else [0, N - 1] if N > 2 else [1, 0, 1][:1])
+    from hvddp.runtime import _state
+
+    assert not _state().pending_process_sets  # the refused set is not kept
+    numpy_ranks = hvddp.add_process_set(np.arange(N))  # numpy integers, as Horovod's sorted() takes
+    assert numpy_ranks.ranks == list(range(N)) and numpy_ranks.size() == N
+    hvddp.remove_process_set(numpy_ranks)
 
 
 def test_objects():

@@ -90,7 +90,7 @@ hvddp.remove_process_set(tail)
 assert copy.deepcopy(s) is s and copy.copy(s) is s
 assert pickle.loads(pickle.dumps(s)) is s
 assert pickle.loads(pickle.dumps(hvddp.global_process_set)) is hvddp.global_process_set
-from hvddp.runtime import _restore_process_set
+from hvddp.runtime import _restore_process_set, _state
 
 assert _restore_process_set(None) is hvddp.global_process_set  # how the first pickles named it
 hvddp.remove_process_set(s)
@@ -107,8 +107,12 @@ except ValueError as exc:
 else:
     raise AssertionError("init() accepted process sets that differ across ranks")
 assert not hvddp.is_initialized()
-hvddp.init(process_sets=[hvddp.ProcessSet([1, 2])])
+twice = hvddp.ProcessSet([1, 2])
+hvddp.init(process_sets=[twice, twice])  # the same object twice: registered once
+assert twice.process_set_id == 1 and sorted(_state().process_sets) == [0, 1], sorted(_state().process_sets)
 assert hvddp.allreduce(np.ones(1), name="clean", op=hvddp.Sum).tolist() == [3.0]
+hvddp.remove_process_set(twice)
+assert sorted(_state().process_sets) == [0]
 hvddp.shutdown()
 hvddp.init(process_sets="dynamic")  # Horovod's switch for sets added later: accepted, not needed
 assert hvddp.add_process_set([0, 2]).size() == 2

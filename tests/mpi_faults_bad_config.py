@@ -87,7 +87,8 @@ def disagree_main() -> None:
     import hvddp
 
     rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
-    os.environ["HVDDP_CMA_THRESHOLD"] = str(1000 + rank)
+    # rank 1 under Horovod's name: the message must name the variable each rank read
+    os.environ["HOROVOD_CMA_THRESHOLD" if rank == 1 else "HVDDP_CMA_THRESHOLD"] = str(1000 + rank)
     timeline = sys.argv[2]  # refused before it is opened: no half-written file is left
     os.environ["HVDDP_TIMELINE"] = timeline
     try:
