@@ -193,12 +193,17 @@ def test_parity_compression(name, dtype):
 
 
 def test_sparse_gradients_both_ways():
-    for as_dense in (False, True):
+    """Sparse gradients by allgather, and dense (sparse_as_dense=True), then sparse again for the
+    update as in Horovod: SparseAdam, which refuses dense gradients, trains either way."""
+    for as_dense, make in ((False, lambda ps: torch.optim.SGD(ps, lr=0.5)),
+                           (True, lambda ps: torch.optim.SGD(ps, lr=0.5)),
+                           (False, lambda ps: torch.optim.SparseAdam(ps, lr=0.1)),
+                           (True, lambda ps: torch.optim.SparseAdam(ps, lr=0.1))):
         torch.manual_seed(0)
         ref = torch.nn.Embedding(10, 4, sparse=True)
         model = copy.deepcopy(ref)
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+        ref_opt = make(list(ref.parameters()))
+        opt = hvd.DistributedOptimizer(make(list(model.parameters())),
                                        named_parameters=model.named_parameters(),
                                        sparse_as_dense=as_dense)
         idx = torch.arange(B) % 10
@@ -210,13 +215,16 @@ def test_sparse_gradients_both_ways():
             ref_opt.step()
             opt.step()
         assert_parity(model, ref)
-        assert_replicas_identical(model, f"sparse.{as_dense}")
+        assert_replicas_identical(model, f"sparse.{as_dense}.{type(ref_opt).__name__}")
 
 
-@pytest.mark.parametrize("added_later", [False, True])
-def test_parameters_unfrozen_after_wrapping_are_reduced(added_later):
+@pytest.mark.parametrize("how", ["wrapped", "added_later", "bias_only", "grouped"])
+def test_parameters_unfrozen_after_wrapping_are_reduced(how):
     """fc1 frozen when the optimizer is wrapped (or in a group added later), unfrozen after two
-    steps: from then on its gradient is averaged like the others (parity, identical replicas)."""
+    steps: from then on its gradient is averaged like the others (parity, identical replicas).
+    ``bias_only``: only fc1.bias is unfrozen, fc1.weight stays frozen (a tensor other than the
+    unfrozen one is still in the frozen list). ``grouped``: ``groups`` lists every parameter, the
+    frozen ones too, which are left out of the group, as in Horovod."""
     torch.manual_seed(0)
     ref = Net()
     model = copy.deepcopy(ref)
@@ -224,19 +232,21 @@ def test_parameters_unfrozen_after_wrapping_are_reduced(added_later):
         m.fc1.requires_grad_(False)
     make = OPTIMIZERS["sgd"]
     ref_opt = make(ref.parameters())
-    if added_later:
+    if how == "added_later":
         inner = make(model.fc2.parameters())
         opt = hvd.DistributedOptimizer(inner, named_parameters=model.fc2.named_parameters())
         opt.add_param_group({"params": list(model.fc1.parameters())})
     else:
-        opt = hvd.DistributedOptimizer(make(model.parameters()), named_parameters=model.named_parameters())
+        groups = [list(model.parameters())] if how == "grouped" else None
+        opt = hvd.DistributedOptimizer(make(model.parameters()), named_parameters=model.named_parameters(),
+                                       groups=groups)
     for step in range(STEPS):
         if step == 2:
             for m in (ref, model):
-                m.fc1.requires_grad_(True)
+                (m.fc1.bias if how == "bias_only" else m.fc1).requires_grad_(True)
         train_step(model, ref, opt, ref_opt, step)
     assert_parity(model, ref)
-    assert_replicas_identical(model, f"unfrozen.{added_later}")
+    assert_replicas_identical(model, f"unfrozen.{how}")
 
 
 @pytest.mark.parametrize("groups", [None, 1])
@@ -518,6 +528,8 @@ def test_bad_arguments():
         hvd.DistributedOptimizer(model)
     with pytest.raises(ValueError, match="more than one group"):
         hvd.DistributedOptimizer(sgd(), groups=[[model.fc1.weight], [model.fc1.weight]])
+    with pytest.raises(TypeError, match=r"`groups\[0\]` holds a str; groups are lists of parameters"):
+        hvd.DistributedOptimizer(sgd(), groups=[[model.fc1.weight, "fc1.bias"]])
 
 
 def test_replaced_optimizer_stops_reducing():
@@ -657,6 +669,9 @@ def test_adasum_combines_each_ranks_update_as_horovod_does(passes):
         for micro in range(passes):
             x, y = batch(step, micro)
             shard_loss(model, x, y, R).backward()
+            if micro < passes - 1:  # passes being accumulated must not be dropped
+                with pytest.raises(hvd.HvddpError, match="fewer than backward_passes_per_step=2"):
+                    opt.zero_grad()
         opt.step()
         assert_parity(model, ref, rtol=1e-5, atol=1e-6)
         assert_replicas_identical(model, f"adasum.{passes}.{step}")

@@ -162,13 +162,19 @@ class _DistributedAdasumOptimizer(WrapperCommon):
         """Reset gradients as the wrapped optimizer does.
 
         Raises:
-            hvddp.HvddpError: updates of this step are still being combined (called after
-                ``backward()`` and before ``step()``).
+            hvddp.HvddpError: updates of this step are still being combined, or passes are
+                being accumulated (called after ``backward()`` and before ``step()``).
         """
         if getattr(self, "_hvddp_flights", None):
             raise HvddpError(f"zero_grad() was called after backward() and before step(): "
                              f"{len(self._hvddp_flights)} parameter update(s) are being combined. Call "
                              f"step() first.")
+        delay = getattr(self, "_hvddp_delay", None) or {}
+        if any(d != self._hvddp_bpps for d in delay.values()):  # (as the Average optimizer, Horovod)
+            raise HvddpError(f"zero_grad() was called after backward() and before step(): the gradients "
+                             f"of fewer than backward_passes_per_step={self._hvddp_bpps} passes are "
+                             f"being accumulated, and zeroing them would drop those passes. Call step() "
+                             f"first.")
         return super().zero_grad(set_to_none=set_to_none)
 
 

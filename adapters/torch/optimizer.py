@@ -119,7 +119,11 @@ class _Flight:
             if out is p.grad:  # reduced in place, zero-copy
                 continue
             value = compression.decompress(out, ctx)
-            if p.grad is None or p.grad.layout != torch.strided or p.grad.shape != value.shape:
+            if p.grad is not None and p.grad.layout == torch.sparse_coo and p.grad.shape == value.shape:
+                # reduced dense (sparse_as_dense, or in a group): sparse again for the update, as in
+                # Horovod, so that optimizers that take only sparse gradients (SparseAdam) still work
+                p.grad = value.to(p.dtype).to_sparse(p.grad.sparse_dim())
+            elif p.grad is None or p.grad.layout != torch.strided or p.grad.shape != value.shape:
                 p.grad = value.to(p.dtype)
             else:
                 p.grad.copy_(value)
@@ -207,18 +211,24 @@ class _DistributedOptimizer(WrapperCommon):
             return [g for g in _split_list(self._hvddp_params, int(groups)) if g]
         if not isinstance(groups, (list, tuple)) or not all(isinstance(g, (list, tuple)) for g in groups):
             raise TypeError(f"`groups` must be an int or a list of lists of parameters, got {groups!r}.")
+        # As Horovod: a tensor that is no trainable parameter of this optimizer (frozen, say) is
+        # left out of its group; one frozen now is reduced on its own once unfrozen.
         valid = set(self._hvddp_params)
         out, seen = [], set()
         for gi, group in enumerate(groups):
+            kept = []
             for p in group:
-                if not isinstance(p, torch.Tensor) or p not in valid:
-                    raise ValueError(f"`groups[{gi}]` holds a tensor that is not a trainable parameter of "
-                                     f"this optimizer.")
+                if not isinstance(p, torch.Tensor):
+                    raise TypeError(f"`groups[{gi}]` holds a {type(p).__name__}; groups are lists of "
+                                    f"parameters (torch tensors).")
                 if p in seen:
-                    raise ValueError(f"parameter {self._hvddp_names[p]!r} is in more than one group.")
+                    name = self._hvddp_names.get(p, f"a tensor of shape {tuple(p.shape)}")
+                    raise ValueError(f"parameter {name!r} is in more than one group.")
                 seen.add(p)
-            if group:
-                out.append(list(group))
+                if p in valid:
+                    kept.append(p)
+            if kept:
+                out.append(kept)
         return out
 
     def _hvddp_added(self, p: torch.Tensor) -> None:
@@ -305,9 +315,11 @@ class _DistributedOptimizer(WrapperCommon):
     def _hvddp_adopt_unfrozen(self) -> None:
         """Reduce (and hook) the parameters that were frozen at wrapping and are trainable now;
         every rank runs the same script, so every rank adopts them at the same step."""
-        for p in [p for p in self._hvddp_frozen if p.requires_grad]:
-            self._hvddp_frozen.remove(p)
-            self._hvddp_track(p)
+        unfrozen = [p for p in self._hvddp_frozen if p.requires_grad]
+        if unfrozen:  # (not list.remove: it compares tensors by value)
+            self._hvddp_frozen = [p for p in self._hvddp_frozen if not p.requires_grad]
+            for p in unfrozen:
+                self._hvddp_track(p)
 
     def _hvddp_sparse_flight(self, p: torch.Tensor, grad: Optional[torch.Tensor]) -> _Flight:
         handle = sparse_rows_async(grad, p, self._hvddp_full_names[p], self._hvddp_op,
