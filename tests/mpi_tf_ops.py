@@ -205,8 +205,9 @@ def test_broadcast_variables_of_models_that_differ_raises_on_every_rank():
 
 @pytest.mark.parametrize("mode", ["eager", "function"])
 def test_reducescatter_and_alltoall_gradients(mode):
-    """reducescatter's gradient is the allgather of the rows' gradients (scaled as the forward:
-    / size for Average); alltoall's sends each received row's gradient back to its sender."""
+    """reducescatter's gradient is the allgather of the rows' gradients, with Horovod's factors
+    (times the size for Sum, the scale factors); alltoall's sends each received row's gradient
+    back to its sender."""
     wrap = (lambda f: f) if mode == "eager" else tf.function
     x = tf.ones([2 * SIZE, 3])
 
@@ -223,8 +224,8 @@ def test_reducescatter_and_alltoall_gradients(mode):
 
     d_sum, d_avg, d_a2a = [g.numpy() for g in grads(x)]
     rows = np.repeat(np.arange(1, SIZE + 1, dtype=np.float32), 2)[:, None] * np.ones((1, 3))
-    np.testing.assert_allclose(d_sum, rows)  # rank r's rows carry weight r + 1
-    np.testing.assert_allclose(d_avg, rows * 2.0 / SIZE)
+    np.testing.assert_allclose(d_sum, rows * SIZE)  # rank r's rows carry weight r + 1
+    np.testing.assert_allclose(d_avg, rows * 2.0)
     np.testing.assert_allclose(d_a2a, rows)  # rows 2r, 2r+1 went to rank r
 
 
@@ -324,7 +325,7 @@ def test_ranks_outside_the_process_set_keep_their_own_gradients():
 @pytest.mark.parametrize("mode", ["eager", "function"])
 def test_grouped_allgather_and_reducescatter_with_gradients(mode):
     """Each member as its single op: values, and gradients (allgather: the sum over ranks of this
-    rank's rows; reducescatter: the allgather of the rows' gradients, / size for Average)."""
+    rank's rows; reducescatter: the allgather of the rows' gradients, as it is for Average)."""
     wrap = (lambda f: f) if mode == "eager" else tf.function
     a = tf.fill([RANK + 1, 2], float(RANK))
     b = tf.ones([2 * SIZE, 3]) * (RANK + 1)
@@ -350,9 +351,10 @@ def test_grouped_allgather_and_reducescatter_with_gradients(mode):
     total_weight = SIZE * (SIZE + 1) / 2  # every rank's loss weights the gathered rows by rank + 1
     np.testing.assert_allclose(da.numpy(), np.full((RANK + 1, 2), total_weight))
     np.testing.assert_allclose(db.numpy(), np.full((2 * SIZE, 3), total_weight))
-    # d/db of sum(ra * w) + sum(rb * w): rows of rank r carry w_r (1 + 2) / size
+    # d/db of sum(ra * w) + sum(rb * w): rows of rank r carry w_r (1 + 2) (Horovod's factor for
+    # Average is 1)
     owner = np.repeat(np.arange(1, SIZE + 1, dtype=np.float64), 2)[:, None]
-    np.testing.assert_allclose(ds.numpy(), owner * 3.0 / SIZE * np.ones((1, 3)))
+    np.testing.assert_allclose(ds.numpy(), owner * 3.0 * np.ones((1, 3)))
 
 
 def test_broadcast_root_is_a_global_rank():

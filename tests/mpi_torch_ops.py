@@ -303,20 +303,34 @@ def test_alltoall_grad():
 
 
 def test_reducescatter_grad():
+    """Horovod's factors: the allgathered gradient times the size for Sum, as it is for Average,
+    times the scale factors."""
     rows = 2 * N
-    for op, div in ((hvd.Sum, 1), (hvd.Average, N)):
+    for op, factor, pre in ((hvd.Sum, N, 1.0), (hvd.Average, 1, 1.0), (hvd.Average, 3, 3.0)):
         x = torch.ones(rows, requires_grad=True)
-        y = hvd.reducescatter(x, op=op, name=f"grad.rs.{op}")
+        y = hvd.reducescatter(x, op=op, name=f"grad.rs.{op}.{pre}", prescale_factor=pre)
         (y * (R + 1)).sum().backward()
-        expected = torch.cat([torch.full((2,), (r + 1.0) / div) for r in range(N)])
+        expected = torch.cat([torch.full((2,), (r + 1.0) * factor) for r in range(N)])
         assert_equal(x.grad, expected)
     a = torch.ones(rows, requires_grad=True)
     (ya,) = hvd.grouped_reducescatter([a], op=hvd.Sum, name="grad.grs")
     (ya * (R + 1)).sum().backward()
-    assert_equal(a.grad, torch.cat([torch.full((2,), r + 1.0) for r in range(N)]))
+    assert_equal(a.grad, torch.cat([torch.full((2,), (r + 1.0) * N) for r in range(N)]))
 
 
 # SyncBatchNorm ---------------------------------------------------------------------------------
+def test_sync_batch_norm_names_do_not_depend_on_the_layers_a_rank_built():
+    """Rank 0 builds one more layer than the others (never run): the layers all ranks run
+    must still meet (names come from the channel count, not from a construction counter)."""
+    if R == 0:
+        hvd.SyncBatchNorm(4)
+    norm = hvd.SyncBatchNorm(4)
+    out = norm(torch.full((2, 4), float(R)))
+    centered = float(R) - (N - 1) / 2
+    variance = sum((r - (N - 1) / 2) ** 2 for r in range(N)) / N
+    torch.testing.assert_close(out, torch.full((2, 4), centered / (variance + norm.eps) ** 0.5))
+
+
 @pytest.mark.parametrize("affine", [True, False])
 def test_sync_batch_norm_matches_batch_norm(affine):
     torch.manual_seed(0)

@@ -392,7 +392,7 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
     """Reduce ``tensor`` across ranks and return this rank's rows (first ``rows % size`` ranks
     get one more). ``op`` defaults to Average; ``compression`` (e.g. ``Compression.fp16``) casts
     around the reduction. The gradient (Average and Sum) is the allgather of the rows'
-    gradients, scaled as the forward was."""
+    gradients, times the size for Sum and the scale factors (Horovod's factors)."""
     op = _grouping.check_op(op, None, "reducescatter")
     tensor = _dense(tensor, "reducescatter")
     if tensor.shape.rank == 0:
@@ -410,7 +410,7 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
     def grad_body(dy):
         if op not in (hvddp.Average, hvddp.Sum):
             raise ValueError(f"reducescatter {name!r}: op={op!r} has no gradient; only Average and Sum do.")
-        factor = pre * post / (_size(process_set) if op == hvddp.Average else 1)
+        factor = pre * post * (_size(process_set) if op == hvddp.Sum else 1)  # Horovod's
         total = hvddp.allgather(dy, name=name + ".grad", process_set=process_set)
         return np.asarray(total * factor, dtype=dy.dtype)
 
@@ -512,7 +512,7 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compre
         if op not in (hvddp.Average, hvddp.Sum):
             raise ValueError(f"grouped_reducescatter {name!r}: op={op!r} has no gradient; only Average and "
                              f"Sum do.")
-        factor = pre * post / (_size(process_set) if op == hvddp.Average else 1)
+        factor = pre * post * (_size(process_set) if op == hvddp.Sum else 1)  # Horovod's
         totals = hvddp.grouped_allgather(list(dys), name=name + ".grad", process_set=process_set)
         return [np.asarray(t * factor, dtype=dy.dtype) for t, dy in zip(totals, dys)]
 

@@ -14,8 +14,8 @@ Autograd (as in Horovod): ``allreduce``, ``grouped_allreduce``, ``allgather``,
 ``grouped_reducescatter`` are differentiable. The backward of allreduce is the same allreduce of
 the gradient (Average/Sum; also with the scale factors), of allgather an Average-allreduce of
 the gradient sliced to this rank's rows, of broadcast an Average-allreduce kept on the root only,
-of alltoall the reverse alltoall, of reducescatter an allgather (divided by the size for
-Average). In-place and ``_async`` forms are not differentiable.
+of alltoall the reverse alltoall, of reducescatter an allgather (times the size for Sum, as
+Horovod's; with Average, as Horovod's, the allgather itself). In-place and ``_async`` forms are not differentiable.
 """
 
 from __future__ import annotations
@@ -483,7 +483,8 @@ def _scatter_grad_factor(op, pre, post, process_set) -> float:
     if op not in (Average, Sum):
         raise RuntimeError(f"reducescatter with op={op!r} is not differentiable in hvddp; only "
                            f"Average and Sum are.")
-    return pre * post / (process_set.size() if op == Average else 1)
+    # Horovod's: the allgathered gradient times size for Sum, as it is for Average
+    return pre * post * (process_set.size() if op == Sum else 1)
 
 
 class _Reducescatter(torch.autograd.Function):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from typing import Optional
 
 import torch
@@ -15,9 +14,6 @@ from .mpi_ops import allreduce
 
 __all__ = ["SyncBatchNorm"]
 
-_counters = {}  # process set -> counter: layers only a set's members build must not shift the others' names
-
-
 class SyncBatchNorm(_BatchNorm):
     """``torch.nn.BatchNorm{1,2,3}d`` whose training statistics span every rank's batch.
 
@@ -25,7 +21,7 @@ class SyncBatchNorm(_BatchNorm):
     ranks' inputs (ranks may hold different batch sizes), so N ranks on B/N samples each give
     the output, gradients and running statistics of ``BatchNorm`` on B samples in one process.
     Two allreduces per forward (sum, then the sum of squared deviations) and two per backward,
-    named after the layer; every rank must run the layer the same number of times. In eval
+    named after its channel count; every rank must run the layer the same number of times. In eval
     mode, or with a size-1 ``process_set``, it is plain batch norm.
 
     Args:
@@ -39,7 +35,6 @@ class SyncBatchNorm(_BatchNorm):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device,
                          dtype=dtype)
         self.process_set = process_set
-        self._hvddp_name = f"sync_batch_norm.{next(_counters.setdefault(process_set, itertools.count()))}"
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -70,12 +65,17 @@ class SyncBatchNorm(_BatchNorm):
         dims = [0] + list(range(2, x.dim()))
         shape = [1, channels] + [1] * (x.dim() - 2)
         count = torch.tensor([x.numel() // channels], dtype=x.dtype, device=x.device)
-        totals = allreduce(torch.cat([x.sum(dims), count]), op=Sum, name=f"{self._hvddp_name}.sum",
+        # Named by the channel count, not by the layer: a rank that built one more layer (a copy
+        # for evaluation, say) would otherwise shift every later layer's name and never meet its
+        # peers. Each call blocks, so layers of the same width can share a name (Horovod's names
+        # are fixed), and the response cache still holds one entry per width.
+        name = f"sync_batch_norm.{channels}"
+        totals = allreduce(torch.cat([x.sum(dims), count]), op=Sum, name=f"{name}.sum",
                            process_set=self.process_set)
         n = totals[channels].detach()
         mean = totals[:channels] / n
         centered = x - mean.view(shape)
-        var = allreduce((centered * centered).sum(dims), op=Sum, name=f"{self._hvddp_name}.sqsum",
+        var = allreduce((centered * centered).sum(dims), op=Sum, name=f"{name}.sqsum",
                         process_set=self.process_set) / n
         y = centered * torch.rsqrt(var + self.eps).view(shape)
         if self.weight is not None:
