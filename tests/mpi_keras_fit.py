@@ -253,11 +253,11 @@ def test_mixed_precision_skips_the_same_steps(wrapping):
     try:
         model = make_model()
         sgd = keras.optimizers.SGD(0.01)
-        optimizer = hvd.DistributedOptimizer(sgd if wrapping == "by_compile"
-                                             else keras.optimizers.LossScaleOptimizer(sgd))
+        optimizer = first = hvd.DistributedOptimizer(sgd if wrapping == "by_compile"
+                                                     else keras.optimizers.LossScaleOptimizer(sgd))
         # A small loss keeps the scaled float16 gradients finite, except where we make them overflow.
-        model.compile(optimizer=optimizer, loss=lambda y_true, y_pred: 0.01 * keras.losses.
-                      sparse_categorical_crossentropy(y_true, y_pred))
+        loss = lambda y_true, y_pred: 0.01 * keras.losses.sparse_categorical_crossentropy(y_true, y_pred)  # noqa: E731
+        model.compile(optimizer=optimizer, loss=loss)
         x, y = global_data()
         xs = shard(x)
         per = GLOBAL_BATCH // SIZE
@@ -273,6 +273,13 @@ def test_mixed_precision_skips_the_same_steps(wrapping):
         assert scale == optimizer.initial_scale / 2
         assert int(ops.convert_to_numpy(optimizer.inner_optimizer.iterations)) == STEPS - 1
         assert_replicas_identical(model.get_weights() + [np.array([scale])], "mixed")
+        # Compiled again with the same optimizer (as after unfreezing layers): a new
+        # LossScaleOptimizer around it must average too (it once inherited "pass through").
+        model.compile(optimizer=first, loss=loss)
+        before = model.get_weights()
+        model.fit(shard(x) * (RANK + 1), shard(y), batch_size=per, epochs=1, shuffle=False, verbose=0)
+        assert not np.allclose(model.get_weights()[0], before[0])
+        assert_replicas_identical(model.get_weights(), f"mixed.recompiled.{wrapping}")
     finally:
         keras.mixed_precision.set_global_policy("float32")
 

@@ -223,7 +223,9 @@ def _move_reduction_to(outer: Any, inner: Any) -> None:
                 "hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(opt)), or build the "
                 "optimizer before the first step: optimizer.build(model.trainable_variables).")
         frame = frame.f_back
-    settings = dict(inner._hvddp_settings())
+    # the outer one reduces from now on: not in pass-through mode even when ``inner`` is (compiled
+    # again, a new LossScaleOptimizer around it, the earlier one having taken its reduction)
+    settings = dict(inner._hvddp_settings(), passthrough=False, in_stateless=False)
     outer.__class__ = _distributed_class(type(outer))
     object.__setattr__(outer, "_hvddp", settings)
     inner._hvddp_settings()["passthrough"] = True
