@@ -77,8 +77,9 @@ def test_gradients(mode):
     d_reduce, d_gather, d_bcast = [g.numpy() for g in grads(x)]
     weights = np.arange(1, SIZE + 1, dtype=np.float32)
     np.testing.assert_allclose(d_reduce, [weights.mean()] * 2)  # Average of the upstream gradients
-    np.testing.assert_allclose(d_gather, [weights.sum()] * 2)  # Sum over ranks, own rows
-    np.testing.assert_allclose(d_bcast, [weights.sum() if RANK == 0 else 0.0] * 2)
+    # allgather and broadcast: Horovod's Average over ranks (own rows; on the root only)
+    np.testing.assert_allclose(d_gather, [weights.mean()] * 2)
+    np.testing.assert_allclose(d_bcast, [weights.mean() if RANK == 0 else 0.0] * 2)
 
 
 def test_xla_raises_a_clear_error():
@@ -174,6 +175,22 @@ def test_tape_mismatch_names_the_variable():
     tape = hvd.DistributedGradientTape(tape)
     with pytest.raises(hvd.MismatchError, match="odd_one"):
         tape.gradient(loss, [v])
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_tape_wrapped_inside_its_with_block(mode):
+    """As some Horovod scripts do: the tape wrapped while it records (the process crashed)."""
+    wrap = (lambda f: f) if mode == "eager" else tf.function
+    v = tf.Variable([1.0, 2.0])
+
+    @wrap
+    def grads():
+        with tf.GradientTape() as tape:
+            tape = hvd.DistributedGradientTape(tape)
+            loss = tf.reduce_sum(v * v) * float(RANK + 1)
+        return tape.gradient(loss, [v])[0]
+
+    np.testing.assert_allclose(grads().numpy(), np.array([2.0, 4.0]) * (SIZE + 1) / 2)
 
 
 def test_tape_in_a_function_with_unknown_static_shapes():
@@ -325,7 +342,8 @@ def test_ranks_outside_the_process_set_keep_their_own_gradients():
 @pytest.mark.parametrize("mode", ["eager", "function"])
 def test_grouped_allgather_and_reducescatter_with_gradients(mode):
     """Each member as its single op: values, and gradients (allgather: the sum over ranks of this
-    rank's rows; reducescatter: the allgather of the rows' gradients, as it is for Average)."""
+    rank's rows averaged over ranks; reducescatter: the allgather of the rows' gradients, as it is
+    for Average; Horovod's factors)."""
     wrap = (lambda f: f) if mode == "eager" else tf.function
     a = tf.fill([RANK + 1, 2], float(RANK))
     b = tf.ones([2 * SIZE, 3]) * (RANK + 1)
@@ -348,9 +366,9 @@ def test_grouped_allgather_and_reducescatter_with_gradients(mode):
     mean = (SIZE + 1) / 2  # the Average of (rank + 1)
     np.testing.assert_allclose(ra.numpy(), np.full((2, 3), mean))
     np.testing.assert_allclose(rb.numpy(), np.full((2, 3), 2 * mean))
-    total_weight = SIZE * (SIZE + 1) / 2  # every rank's loss weights the gathered rows by rank + 1
-    np.testing.assert_allclose(da.numpy(), np.full((RANK + 1, 2), total_weight))
-    np.testing.assert_allclose(db.numpy(), np.full((2 * SIZE, 3), total_weight))
+    mean_weight = (SIZE + 1) / 2  # every rank's loss weights the gathered rows by rank + 1: averaged
+    np.testing.assert_allclose(da.numpy(), np.full((RANK + 1, 2), mean_weight))
+    np.testing.assert_allclose(db.numpy(), np.full((2 * SIZE, 3), mean_weight))
     # d/db of sum(ra * w) + sum(rb * w): rows of rank r carry w_r (1 + 2) (Horovod's factor for
     # Average is 1)
     owner = np.repeat(np.arange(1, SIZE + 1, dtype=np.float64), 2)[:, None]
@@ -418,6 +436,32 @@ def test_sync_batch_normalization_is_batch_norm_on_the_whole_batch(mode):
     np.testing.assert_allclose(sync.moving_variance.numpy(), ref.moving_variance.numpy(), rtol=1e-4)
     with pytest.raises(ValueError, match="fused"):
         hvd.SyncBatchNormalization(fused=True)
+
+
+def test_unnamed_ops_in_a_function_match_when_one_rank_traced_and_built_more():
+    """Rank 0 alone traces one more function and builds one more layer first: the unnamed
+    collectives in a loop body, a branch and a SyncBatchNormalization inside a tf.function must
+    still carry the same names on every rank (TensorFlow numbers body graphs and Keras layer
+    scopes per process; names built from those never met, and the job hung)."""
+    if RANK == 0:
+        tf.function(lambda x: x + 1)(tf.constant(1.0))
+        hvd.SyncBatchNormalization().build((None, 3))
+    sync = hvd.SyncBatchNormalization()
+
+    @tf.function
+    def step(x, rows):
+        total = tf.zeros_like(x)
+        for _ in tf.range(2):
+            total += hvd.allreduce(x, op=hvd.Sum)
+        if tf.reduce_sum(x) > 0:
+            total += hvd.allreduce(x, op=hvd.Sum)
+        return total, sync(rows, training=True)
+
+    total, out = step(tf.ones([2]), tf.fill([2, 3], float(RANK)))
+    np.testing.assert_allclose(total.numpy(), [3.0 * SIZE] * 2)
+    variance = sum((r - (SIZE - 1) / 2) ** 2 for r in range(SIZE)) / SIZE
+    np.testing.assert_allclose(out.numpy(), np.full((2, 3), (RANK - (SIZE - 1) / 2) / np.sqrt(variance + 1e-3)),
+                               rtol=1e-4, atol=1e-5)
 
 
 def test_sync_batch_normalization_large_mean_and_config_round_trip():

@@ -174,6 +174,10 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
         _classes[base] = cls
     tape = object.__new__(cls)
     tape.__dict__.update(gradtape.__dict__)
+    # Wrapped inside its ``with`` block (Horovod's examples allow it), ``gradtape`` is recording;
+    # the copy must not think so too, or both would pop the one tape off TensorFlow's stack and
+    # the process crashes. The original's __exit__ stops the recording both share.
+    tape._recording = False
     tape._hvddp = {"op": op, "gradient_predivide_factor": factor, "compression": compression,
                    "process_set": process_set, "local": {},
                    "scale_local_gradients": bool(scale_local_gradients)}

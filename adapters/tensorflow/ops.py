@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import itertools
 import numbers
+import weakref
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework.func_graph import FuncGraph
 from tensorflow.python.ops import control_flow_util
 
 import hvddp
@@ -33,16 +35,27 @@ __all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "
            "reducescatter", "grouped_reducescatter"]
 
 _counters: Dict[str, Any] = {}
+_graph_counters: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # outermost graph -> counters
 
 
 def _auto_name(kind: str, process_set: ProcessSet) -> str:
-    # counted per process set: calls only a set's members make must not shift other sets' names
+    """The name of an unnamed collective: the same on every rank that runs the same program.
+
+    Counted per process set (calls only a set's members make must not shift other sets' names).
+    Eagerly, by one counter per process; in a traced function, by a counter of the outermost
+    function being traced, under that function's name. Not by TensorFlow's own names: a loop
+    or branch body is named with a process-wide counter, and name scopes carry Keras layer
+    names, so both differ on a rank that traced or built one more thing than the others.
+    """
     tag = kind if process_set is global_process_set else f"{kind}.ps{process_set.process_set_id}"
     if tf.executing_eagerly():
         counter = _counters.setdefault((tag, process_set), itertools.count())
         return f"tf.{tag}.noname.{next(counter)}"
     graph = tf.compat.v1.get_default_graph()
-    return f"tf.{tag}.{graph.name}/{graph.unique_name(tag.replace('.', '_'))}"
+    while isinstance(getattr(graph, "outer_graph", None), FuncGraph):  # out of loop/branch bodies
+        graph = graph.outer_graph
+    counter = _graph_counters.setdefault(graph, {}).setdefault(tag, itertools.count())
+    return f"tf.{tag}.{graph.name}.{next(counter)}"
 
 
 def _name(name: Optional[str], kind: str, process_set: ProcessSet) -> str:
@@ -266,7 +279,7 @@ def allgather(tensor: Any, name: Optional[str] = None, ignore_name_scope: bool =
     """Concatenate every rank's ``tensor`` along the first dimension, in rank order.
 
     The first dimension may differ across ranks; dtype and the other dimensions must match.
-    The gradient sums the incoming gradient across ranks and returns this rank's rows.
+    The gradient averages the incoming gradient across ranks (Horovod's) and returns this rank's rows.
     """
     tensor = _dense(tensor, "allgather")
     if tensor.shape.rank == 0:
@@ -278,7 +291,7 @@ def allgather(tensor: Any, name: Optional[str] = None, ignore_name_scope: bool =
         return np.asarray(hvddp.allgather(x, name=name, process_set=process_set), dtype=x.dtype)
 
     def grad_body(dy, rows):
-        total = hvddp.allreduce(dy, name=name + ".grad", op=hvddp.Sum, process_set=process_set)
+        total = hvddp.allreduce(dy, name=name + ".grad", op=hvddp.Average, process_set=process_set)
         sizes = hvddp.allgather(np.asarray([rows], dtype=np.int64), name=name + ".grad.rows",
                                 process_set=process_set)
         start = int(sizes[:_set_rank(process_set)].sum())
@@ -306,7 +319,7 @@ def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None, ignore_na
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Return ``root_rank``'s ``tensor`` on every rank (shape and dtype must match).
 
-    The gradient is the sum of the incoming gradients on ``root_rank`` and zero elsewhere.
+    The gradient is the average of the incoming gradients on ``root_rank`` (Horovod's) and zero elsewhere.
     """
     _check_root(root_rank, process_set, "broadcast")
     tensor = _dense(tensor, "broadcast")
@@ -323,7 +336,7 @@ def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None, ignore_na
         out.set_shape(x.shape)
 
         def grad(dy):
-            total = allreduce(dy, op=hvddp.Sum, name=name + ".grad", process_set=process_set)
+            total = allreduce(dy, op=hvddp.Average, name=name + ".grad", process_set=process_set)
             return total if hvddp.rank() == root_rank else tf.zeros_like(total)
         return out, grad
 
@@ -463,7 +476,7 @@ def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None, ignore
     def grad_body(*args):  # the incoming gradients, then this rank's row counts
         k = len(args) // 2
         dys, rows = args[:k], [int(r) for r in args[k:]]
-        totals = hvddp.grouped_allreduce(list(dys), name=name + ".grad", op=hvddp.Sum, process_set=process_set)
+        totals = hvddp.grouped_allreduce(list(dys), name=name + ".grad", op=hvddp.Average, process_set=process_set)
         counts = hvddp.allgather(np.asarray([rows], dtype=np.int64), name=name + ".grad.rows",
                                  process_set=process_set)
         starts = counts[:_set_rank(process_set)].sum(axis=0)
