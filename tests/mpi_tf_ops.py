@@ -82,6 +82,29 @@ def test_gradients(mode):
     np.testing.assert_allclose(d_bcast, [weights.mean() if RANK == 0 else 0.0] * 2)
 
 
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_join_is_an_op(mode):
+    """Uneven data over two epochs: join() returns an int32 tensor, and inside a tf.function it
+    joins every time the function runs (not once, when it is traced)."""
+    wrap = (lambda f: f) if mode == "eager" else tf.function
+
+    @wrap
+    def step(x):
+        return hvd.allreduce(x, op=hvd.Sum, name=f"join.tf.{mode}")
+
+    @wrap
+    def finish():
+        return hvd.join()
+
+    for epoch in range(2):
+        outs = [step(tf.ones([2])).numpy() for _ in range(RANK + 1)]  # rank r: r + 1 batches
+        last = finish()
+        assert isinstance(last, tf.Tensor) and last.dtype == tf.int32 and last.shape == ()
+        assert int(last.numpy()) == SIZE - 1
+        for i, out in enumerate(outs):
+            np.testing.assert_array_equal(out, [sum(1 for r in range(SIZE) if r >= i)] * 2)
+
+
 def test_xla_raises_a_clear_error():
     @tf.function(jit_compile=True)
     def step(x):

@@ -27,7 +27,7 @@ from hvddp import (Adasum, Average, BackendUnavailableError, Compression, HvddpE
                    MismatchError, NotInitializedError, ProcessSet, Product, ShutdownError, StallError, Sum,
                    add_process_set, allgather_object, barrier, broadcast_object, ccl_built, cross_rank,
                    cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, global_process_set, init,
-                   is_homogeneous, is_initialized, join, local_rank, local_size, mpi_built, mpi_enabled,
+                   is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
                    mpi_threads_supported, nccl_built, rank, remove_process_set, rocm_built, shutdown, size,
                    start_timeline, stop_timeline)
 
@@ -38,7 +38,7 @@ from .functions import (DistributedOptimizer, broadcast_, broadcast_global_varia
 from .gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
 from .sync_batch_norm import SyncBatchNormalization
 from .ops import (allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
-                  grouped_reducescatter, reducescatter)
+                  grouped_reducescatter, join, reducescatter)
 
 # Horovod's TensorFlow package raises this name for every failed collective; scripts catch it by it
 HorovodInternalError = HvddpError

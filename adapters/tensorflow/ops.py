@@ -32,7 +32,7 @@ from hvddp import Compression, ProcessSet, global_process_set
 from hvddp import _grouping
 
 __all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "alltoall",
-           "reducescatter", "grouped_reducescatter"]
+           "reducescatter", "grouped_reducescatter", "join"]
 
 _counters: Dict[str, Any] = {}
 _graph_counters: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # outermost graph -> counters
@@ -547,3 +547,15 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compre
         return outs, grad
 
     return list(_op(*tensors))
+
+
+# join ------------------------------------------------------------------------------------
+def join() -> tf.Tensor:
+    """This rank has no more data (Horovod's op): until every rank has joined, it takes part in
+    the other ranks' allreduces with zeros; returns the last rank to join, an int32 scalar
+    tensor. An op, as in Horovod: inside a ``tf.function`` it joins each time the function runs
+    (a plain Python call would run once, while the function is traced)."""
+    _check_xla("join")
+    out = _outputs(_py(lambda: np.int32(hvddp.join()), [], [tf.int32], "HvddpJoin"))[0]
+    out.set_shape([])
+    return out
