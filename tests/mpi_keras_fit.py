@@ -118,6 +118,27 @@ def test_backward_passes_per_step():
     assert_replicas_identical(model.get_weights(), "passes")
 
 
+def test_wrapping_a_built_optimizer_with_passes_keeps_its_state():
+    """Wrapping an optimizer that has trained, with backward_passes_per_step=2: each state
+    variable lands in the one of the same name (the added accumulators start at zero)."""
+    model = make_model(unused=False)
+    adam = keras.optimizers.Adam(0.01)
+    grads = [ops.convert_to_tensor(np.full(v.shape, i + 1.0, dtype="float32"))
+             for i, v in enumerate(model.trainable_variables)]
+    adam.apply(grads, model.trainable_variables)
+    wrapped = hvd.DistributedOptimizer(adam, backward_passes_per_step=2)
+    old = {v.name: ops.convert_to_numpy(v) for v in adam.variables}
+    accumulators = 0
+    for v in wrapped.variables:
+        value = ops.convert_to_numpy(v)
+        if v.name.endswith("_gradient_accumulator"):
+            accumulators += 1
+            assert not value.any(), v.name
+        else:
+            np.testing.assert_array_equal(value, old[v.name], err_msg=v.name)
+    assert accumulators == len(model.trainable_variables) > 1
+
+
 def test_broadcast_callback_equalises_replicas():
     model = make_model(seed=100 + RANK)  # different initial weights on every rank
     root_initial = hvd.broadcast_object(model.get_weights(), root_rank=0, name="test.root_initial")
@@ -212,6 +233,55 @@ def test_schedule_callback_staircase():
     np.testing.assert_allclose(used, want, rtol=1e-5, atol=1e-6)  # float32 weights near 1
 
 
+@keras.saving.register_keras_serializable(package="hvddp_tests")
+class RegisteredSGD(keras.optimizers.SGD):
+    """A user's optimizer, registered for saving under "hvddp_tests>RegisteredSGD"."""
+
+
+def test_registered_custom_optimizer_serializes_under_its_registered_name():
+    wrapped = hvd.DistributedOptimizer(RegisteredSGD(0.1, name="mine"))
+    config = keras.saving.serialize_keras_object(wrapped)
+    assert config == keras.saving.serialize_keras_object(RegisteredSGD(0.1, name="mine")), config
+    assert config["registered_name"] == "hvddp_tests>RegisteredSGD", config
+    assert type(keras.saving.deserialize_keras_object(config)) is RegisteredSGD  # loads without hvddp
+
+
+def test_load_model_turns_off_the_xla_a_gpu_machine_saved():
+    """A model compiled with jit_compile="auto" on a machine with a GPU is saved with True
+    (Keras saves the resolved value); hvd.load_model must train it without XLA. The GPU is
+    simulated: TensorFlow here is the CPU build."""
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("jit_compile=True breaks hvddp's step on the TensorFlow backend only")
+    import tensorflow as tf
+
+    real = tf.config.list_physical_devices
+
+    def with_a_gpu(device_type=None):
+        found = list(real(device_type))
+        if device_type in (None, "GPU"):
+            found.append(tf.config.PhysicalDevice(name="/physical_device:GPU:0", device_type="GPU"))
+        return found
+
+    tf.config.list_physical_devices = with_a_gpu
+    try:
+        model = make_model(unused=False)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+        assert model.jit_compile is True  # what Keras would save on a GPU machine
+        directory = hvd.broadcast_object(tempfile.mkdtemp() if RANK == 0 else None, 0, name="test.jitdir")
+        path = os.path.join(directory, "model.keras")
+        if RANK == 0:
+            model.save(path)
+        hvd.barrier()
+        again = hvd.load_model(path)
+        assert again.jit_compile is False and hvd.is_distributed(again.optimizer)
+        x, y = global_data()
+        again.fit(shard(x), shard(y), batch_size=GLOBAL_BATCH // SIZE, epochs=1, verbose=0)
+        assert_replicas_identical(again.get_weights(), "jit.reloaded")
+    finally:
+        tf.config.list_physical_devices = real
+    hvd.barrier()
+
+
 def test_save_and_reload():
     x, y = global_data()
     model = make_model(unused=False)
@@ -229,7 +299,7 @@ def test_save_and_reload():
     plain = keras.models.load_model(path)  # no hvddp class in the file
     assert isinstance(plain.optimizer, keras.optimizers.Adam) and type(plain.optimizer).__name__ == "Adam"
     assert not hvd.is_distributed(plain.optimizer)
-    again = hvd.load_model(path)
+    again = hvd.load_model(path, None, None, hvd.Compression.none, False)  # Horovod's order: legacy_opts 5th
     assert hvd.is_distributed(again.optimizer) and type(again.optimizer).__name__ == "Adam"
     assert int(ops.convert_to_numpy(again.optimizer.iterations)) == STEPS
     for a, b in zip(again.get_weights(), model.get_weights()):

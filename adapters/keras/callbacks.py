@@ -148,7 +148,9 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 
     Args:
         initial_lr: the base rate; the optimizer's rate when training begins if None.
-        multiplier: a number, or a function of the (fractional) epoch.
+        multiplier: a number, or a function of the (fractional) epoch. A number holds for the
+            whole range, as Horovod's examples use it (Horovod 0.28.1's code raises it to the
+            power ``epoch - start_epoch``; pass that as a function to get it).
         start_epoch: first epoch the schedule applies to.
         end_epoch: first epoch it no longer applies to (None: to the end).
         staircase: adjust once per epoch (True) or every batch (False).

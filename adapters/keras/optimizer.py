@@ -221,7 +221,8 @@ def _move_reduction_to(outer: Any, inner: Any) -> None:
                 "its first apply(): the average would run after the loss-scale finite check, where a "
                 "rank with overflowing gradients skips it. Wrap the other way round, "
                 "hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(opt)), or build the "
-                "optimizer before the first step: optimizer.build(model.trainable_variables).")
+                "LossScaleOptimizer itself (model.optimizer after compile) before the first step: "
+                "model.optimizer.build(model.trainable_variables).")
         frame = frame.f_back
     # the outer one reduces from now on: not in pass-through mode even when ``inner`` is (compiled
     # again, a new LossScaleOptimizer around it, the earlier one having taken its reduction)
@@ -260,11 +261,17 @@ def _serialize_as(cls: type, base: type) -> None:
     """
     try:
         from keras.src import api_export
+        from keras.src.saving import object_registration
     except ImportError:  # pragma: no cover - Keras moved its registry; files still reload via module
         return
     public = api_export.REGISTERED_OBJS_TO_NAMES.get(base)
     if public is not None:
         api_export.REGISTERED_OBJS_TO_NAMES[cls] = public
+    # a class the user registered (register_keras_serializable(package=...)) is saved under its
+    # registered name, "package>Name", which is what loading looks up
+    custom = object_registration.GLOBAL_CUSTOM_NAMES.get(base)
+    if custom is not None:
+        object_registration.GLOBAL_CUSTOM_NAMES[cls] = custom
 
 
 def is_distributed(optimizer: Any) -> bool:
@@ -333,7 +340,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
         gradient_predivide_factor: divide gradients by this before the sum and by
             ``size / factor`` after (Average only).
         op: ``hvddp.Average`` (default), ``hvddp.Sum``, or ``hvddp.Adasum``: each step's
-            gradients are combined by Adasum, per tensor, as Horovod's Keras optimizer does
+            gradients are combined by Adasum, per tensor (an extension: Horovod's Keras
+            optimizers take Average and Sum only; its gradient tape combines this way)
             (float gradients, a process set whose size is a power of two, one pass per step;
             Horovod's guidance: the learning rate needs no scaling by the number of ranks).
             Local variables' gradients are not combined, as with any op.
@@ -384,9 +392,22 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
     object.__setattr__(wrapped, "_hvddp", settings)
     if optimizer.built:
         wrapped.build(list(optimizer._trainable_variables))
-        for mine, theirs in zip(wrapped.variables, optimizer.variables):
-            mine.assign(theirs)
+        _copy_state(wrapped, optimizer)
     return wrapped
+
+
+def _copy_state(wrapped: Any, optimizer: Any) -> None:
+    """Copy ``optimizer``'s variables into ``wrapped``'s, matched by name (their paths differ by
+    the optimizer's name). Variables only ``wrapped`` has (the gradient accumulators that
+    ``backward_passes_per_step`` adds) keep their initial zeros: matched by position, the state
+    landed in the wrong variables, or failed on a shape."""
+    theirs: Dict[str, List[Any]] = {}
+    for variable in optimizer.variables:
+        theirs.setdefault(variable.name, []).append(variable)
+    for mine in wrapped.variables:
+        same = theirs.get(mine.name)
+        if same:
+            mine.assign(same.pop(0))
 
 
 def PartialDistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[str] = None,
@@ -438,7 +459,7 @@ def _passes_postscale(config: dict, average_aggregated_gradients: bool) -> float
 
 def load_model(filepath: Any, custom_optimizers: Optional[List[type]] = None,
                custom_objects: Optional[Dict[str, Any]] = None, compression: Any = Compression.none,
-               op: Any = hvddp.Average, gradient_predivide_factor: float = 1.0,
+               legacy_opts: bool = False, op: Any = hvddp.Average, gradient_predivide_factor: float = 1.0,
                process_set: ProcessSet = global_process_set, average_aggregated_gradients: bool = False,
                **kwargs: Any) -> keras.Model:
     """Load a model saved with ``model.save`` and make its optimizer average across ranks.
@@ -454,6 +475,8 @@ def load_model(filepath: Any, custom_optimizers: Optional[List[type]] = None,
         custom_objects: passed to ``keras.models.load_model``.
         compression, op, gradient_predivide_factor, process_set, average_aggregated_gradients:
             as in ``DistributedOptimizer``.
+        legacy_opts: Horovod's switch for Keras 2's legacy optimizers, in Horovod's position;
+            accepted and ignored (Keras 3 has none).
         **kwargs: passed to ``keras.models.load_model``.
     """
     objects = dict(custom_objects or {})
@@ -467,4 +490,8 @@ def load_model(filepath: Any, custom_optimizers: Optional[List[type]] = None,
                              _passes_postscale(config, average_aggregated_gradients), _passes(config))
         optimizer.__class__ = _distributed_class(type(optimizer))
         object.__setattr__(optimizer, "_hvddp", settings)
+    if optimizer is not None and _backend.name() == "tensorflow" and getattr(model, "jit_compile", False) is True:
+        # Keras saves jit_compile resolved: "auto" on a machine with a GPU became True, and the
+        # file recompiles with it before the optimizer is hvddp's. XLA cannot run hvddp's step.
+        model.jit_compile = False
     return model
