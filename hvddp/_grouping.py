@@ -182,3 +182,9 @@ def wire(array: np.ndarray) -> np.ndarray:
     """``array``, or a view of its bits as a type the core moves (for copies such as broadcast)."""
     signed = _SIGNED.get(array.dtype.name)
     return array if signed is None else array.view(signed)
+
+
+def unwire(array: Any, dtype: Any) -> np.ndarray:
+    """A result of a copy collective on ``wire(x)`` as ``x``'s ``dtype`` again."""
+    array = np.asarray(array)
+    return array.view(dtype) if np.dtype(dtype).name in _SIGNED else np.asarray(array, dtype=dtype)

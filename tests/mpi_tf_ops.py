@@ -105,6 +105,34 @@ def test_join_is_an_op(mode):
             np.testing.assert_array_equal(out, [sum(1 for r in range(SIZE) if r >= i)] * 2)
 
 
+def test_horovod_signatures_and_unsigned_copies():
+    """Horovod's TF signatures (broadcast_object/allgather_object with session=None,
+    broadcast_object_fn, the tape's use_generic_names fourth), and uint16/32/64 tensors through
+    broadcast, allgather and alltoall, as their bits (values past the signed range included)."""
+    assert hvd.broadcast_object(RANK, 0, None, "t.sig.b") == 0
+    assert hvd.allgather_object(RANK, None, "t.sig.g") == list(range(SIZE))
+    assert hvd.broadcast_object_fn(root_rank=SIZE - 1, name="t.sig.fn")(RANK) == SIZE - 1
+    with pytest.raises(TypeError, match="sessions are not supported"):
+        hvd.broadcast_object(1, 0, object())
+    v = tf.Variable([1.0, 2.0])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(v * v) * float(RANK + 1)
+    (grad,) = hvd.DistributedGradientTape(tape).gradient(loss, [v], None, True)
+    np.testing.assert_allclose(grad.numpy(), np.array([2.0, 4.0]) * (SIZE + 1) / 2)
+    for dtype in (np.uint16, np.uint32, np.uint64):
+        top = np.iinfo(dtype).max
+        x = tf.constant(np.array([top - RANK] * SIZE, dtype=dtype))
+        mine = [top - r for r in range(SIZE)]
+        out = hvd.broadcast(x, 0, name=f"t.u.b.{dtype.__name__}")
+        assert out.dtype == x.dtype and out.numpy().tolist() == [top] * SIZE
+        out = hvd.allgather(x, name=f"t.u.g.{dtype.__name__}")
+        assert out.dtype == x.dtype and out.numpy().tolist() == [t for t in mine for _ in range(SIZE)]
+        out = hvd.alltoall(x, name=f"t.u.a.{dtype.__name__}")
+        assert out.dtype == x.dtype and out.numpy().tolist() == mine
+        (out,) = hvd.grouped_allgather([x], name=f"t.u.gg.{dtype.__name__}")
+        assert out.dtype == x.dtype and out.numpy().tolist() == [t for t in mine for _ in range(SIZE)]
+
+
 def test_xla_raises_a_clear_error():
     @tf.function(jit_compile=True)
     def step(x):

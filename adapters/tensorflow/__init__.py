@@ -25,7 +25,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from hvddp import (Adasum, Average, BackendUnavailableError, Compression, HvddpError, LauncherMismatchError,
                    Max, Min,
                    MismatchError, NotInitializedError, ProcessSet, Product, ShutdownError, StallError, Sum,
-                   add_process_set, allgather_object, barrier, broadcast_object, ccl_built, cross_rank,
+                   add_process_set, barrier, ccl_built, cross_rank,
                    cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, global_process_set, init,
                    is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
                    mpi_threads_supported, nccl_built, rank, remove_process_set, rocm_built, shutdown, size,
@@ -33,8 +33,9 @@ from hvddp import (Adasum, Average, BackendUnavailableError, Compression, HvddpE
 
 from . import elastic
 from .elastic import HostsUpdatedInterrupt
-from .functions import (DistributedOptimizer, broadcast_, broadcast_global_variables, broadcast_variables,
-                        local_rank_op, local_size_op, process_set_included_op, rank_op, size_op)
+from .functions import (DistributedOptimizer, allgather_object, broadcast_, broadcast_global_variables,
+                        broadcast_object, broadcast_object_fn, broadcast_variables, local_rank_op, local_size_op,
+                        process_set_included_op, rank_op, size_op)
 from .gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
 from .sync_batch_norm import SyncBatchNormalization
 from .ops import (allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
@@ -51,7 +52,7 @@ __all__ = [
     "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression",
     "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "alltoall", "reducescatter",
     "grouped_reducescatter", "size_op", "rank_op", "local_size_op", "local_rank_op", "process_set_included_op",
-    "barrier", "join", "broadcast_object", "allgather_object",
+    "barrier", "join", "broadcast_object", "broadcast_object_fn", "allgather_object",
     "DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer", "SyncBatchNormalization",
     "broadcast_", "broadcast_variables", "broadcast_global_variables",
     "HvddpError", "NotInitializedError", "BackendUnavailableError", "MismatchError", "ShutdownError",

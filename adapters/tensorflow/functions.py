@@ -15,7 +15,41 @@ from .gradient_tape import source_label
 from .ops import _check_root, _check_xla
 
 __all__ = ["broadcast_", "broadcast_variables", "broadcast_global_variables", "DistributedOptimizer", "size_op",
-           "rank_op", "local_size_op", "local_rank_op", "process_set_included_op"]
+           "rank_op", "local_size_op", "local_rank_op", "process_set_included_op", "broadcast_object",
+           "broadcast_object_fn", "allgather_object"]
+
+
+def _no_session(session: Any, fn: str) -> None:
+    if session is not None:
+        raise TypeError(f"{fn}: TensorFlow 1 sessions are not supported (hvddp runs TensorFlow 2, "
+                        f"eagerly or in tf.function); Received: session={session!r}. Leave session=None.")
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """``root_rank``'s picklable ``obj`` on every rank (``hvddp.broadcast_object``), with
+    Horovod's TensorFlow signature: ``session`` must be None (no TensorFlow 1)."""
+    _no_session(session, "broadcast_object")
+    return hvddp.broadcast_object(obj, root_rank, name=name, process_set=process_set)
+
+
+def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: Optional[str] = None,
+                        process_set: ProcessSet = global_process_set):
+    """Horovod's: a function ``fn(obj)`` that returns ``root_rank``'s ``obj`` on every rank."""
+    _no_session(session, "broadcast_object_fn")
+
+    def broadcast(obj: Any) -> Any:
+        return hvddp.broadcast_object(obj, root_rank, name=name, process_set=process_set)
+
+    return broadcast
+
+
+def allgather_object(obj: Any, session: Any = None, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> List[Any]:
+    """Every rank's picklable ``obj``, in rank order (``hvddp.allgather_object``), with Horovod's
+    TensorFlow signature: ``session`` must be None (no TensorFlow 1)."""
+    _no_session(session, "allgather_object")
+    return hvddp.allgather_object(obj, name=name, process_set=process_set)
 
 
 def broadcast_variables(variables: Iterable[Any], root_rank: int,

@@ -34,12 +34,15 @@ def source_label(source: Any, index: int) -> str:
 class _DistributedGradientTapeMixin:
     """Methods added to the wrapped tape's class; state lives in the tape's own attributes."""
 
-    def gradient(self, target, sources, output_gradients=None,
+    def gradient(self, target, sources, output_gradients=None, use_generic_names=False,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
         """Return the gradients of ``target``, averaged across ranks (or summed, or combined by
         Adasum: the tape's ``op``).
 
-        Same arguments as ``tf.GradientTape.gradient``. Every rank must call it with the same
+        Same arguments as ``tf.GradientTape.gradient``, and Horovod's ``use_generic_names`` in
+        Horovod's position (accepted; hvddp's names never carry the sources' names); an
+        ``unconnected_gradients`` passed fourth, TensorFlow's position, is taken as that.
+        Every rank must call it with the same
         sources (same shapes and dtypes). A ``None`` gradient is reduced as zeros, so where
         another rank has a gradient this rank gets the average (Adasum leaves the zeros out: the
         others' combination); one that no rank had stays ``None`` (an optimizer then skips it, as
@@ -53,6 +56,8 @@ class _DistributedGradientTapeMixin:
         Raises:
             hvddp.MismatchError: ranks pass different sources (names the first difference).
         """
+        if isinstance(use_generic_names, (tf.UnconnectedGradients, str)):  # TensorFlow's 4th
+            unconnected_gradients = use_generic_names
         grads = super().gradient(target, sources, output_gradients=output_gradients,
                                  unconnected_gradients=unconnected_gradients)
         flat_sources = tf.nest.flatten(sources)

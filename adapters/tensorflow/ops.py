@@ -288,7 +288,8 @@ def allgather(tensor: Any, name: Optional[str] = None, ignore_name_scope: bool =
     _check_xla("allgather")
 
     def body(x):
-        return np.asarray(hvddp.allgather(x, name=name, process_set=process_set), dtype=x.dtype)
+        # (uint16/32/64 travel as their bits, as Horovod's TF ops take uint16)
+        return _grouping.unwire(hvddp.allgather(_grouping.wire(x), name=name, process_set=process_set), x.dtype)
 
     def grad_body(dy, rows):
         total = hvddp.allreduce(dy, name=name + ".grad", op=hvddp.Average, process_set=process_set)
@@ -327,7 +328,8 @@ def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None, ignore_na
     _check_xla("broadcast")
 
     def body(x):
-        return np.asarray(hvddp.broadcast(x, root_rank, name=name, process_set=process_set), dtype=x.dtype)
+        return _grouping.unwire(hvddp.broadcast(_grouping.wire(x), root_rank, name=name, process_set=process_set),
+                                x.dtype)
 
     @tf.custom_gradient
     def _op(x):
@@ -373,8 +375,8 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None, ignore
 
     def body(x, s):
         given = None if s.size == 0 else [int(v) for v in s]
-        out, received = hvddp.alltoall_async(x, given, name=name, process_set=process_set).wait()
-        return np.asarray(out, dtype=x.dtype), np.asarray(received, dtype=np.int32)
+        out, received = hvddp.alltoall_async(_grouping.wire(x), given, name=name, process_set=process_set).wait()
+        return _grouping.unwire(out, x.dtype), np.asarray(received, dtype=np.int32)
 
     def grad_body(dy, back):
         out, _ = hvddp.alltoall_async(dy, [int(v) for v in back], name=name + ".grad",
@@ -470,8 +472,8 @@ def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None, ignore
     _check_xla("grouped_allgather")
 
     def body(*xs):
-        outs = hvddp.grouped_allgather(list(xs), name=name, process_set=process_set)
-        return [np.asarray(o, dtype=x.dtype) for o, x in zip(outs, xs)]
+        outs = hvddp.grouped_allgather([_grouping.wire(x) for x in xs], name=name, process_set=process_set)
+        return [_grouping.unwire(o, x.dtype) for o, x in zip(outs, xs)]
 
     def grad_body(*args):  # the incoming gradients, then this rank's row counts
         k = len(args) // 2
