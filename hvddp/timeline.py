@@ -10,10 +10,13 @@ mark per rank as that rank announces it, then the ``<KIND>`` span with its phase
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
 from typing import Dict, Iterable, Optional
+
+_log = logging.getLogger("hvddp")
 
 __all__ = ["Timeline", "start_timeline", "stop_timeline"]
 
@@ -49,7 +52,10 @@ class Timeline:
                 self._close_locked()
             directory = os.path.dirname(os.path.abspath(path))
             os.makedirs(directory, exist_ok=True)
-            self._file = open(path, "w")
+            # line-buffered: every event reaches the file as it is written, so a job that is
+            # aborted or killed (no shutdown()) still leaves its trace up to that point
+            self._file = open(path, "w", buffering=1)
+            self._path = path
             self._t0 = time.monotonic()
             self._pids = {}
             self._open_spans = {}
@@ -69,16 +75,37 @@ class Timeline:
         for name, stack in self._open_spans.items():
             while stack:
                 self._event(name, "E", stack.pop())
-        self._file.write('{"name": "trace_end", "ph": "M", "pid": 0, "args": {}}\n]\n')
-        self._file.close()
-        self._file = None
+        file, self._file = self._file, None
+        if file is None:  # (a write above failed and gave up the file)
+            return
+        try:
+            file.write('{"name": "trace_end", "ph": "M", "pid": 0, "args": {}}\n]\n')
+            file.close()
+        except OSError as exc:
+            self._file = file
+            self._give_up(exc)
 
     # ------------------------------------------------------------------------------------
     def _now(self) -> int:
         return int((time.monotonic() - self._t0) * 1e6)
 
     def _emit(self, event: dict) -> None:
-        self._file.write(json.dumps(event) + ",\n")
+        if self._file is None:  # (an earlier write failed)
+            return
+        try:
+            self._file.write(json.dumps(event) + ",\n")
+        except OSError as exc:
+            self._give_up(exc)
+
+    def _give_up(self, exc: OSError) -> None:
+        """A write failed (a full disk, say): stop the timeline, not the training (as Horovod)."""
+        _log.error("writing the timeline %s failed (%s); no more timeline events are written",
+                   getattr(self, "_path", "?"), exc)
+        file, self._file = self._file, None
+        try:
+            file.close()
+        except OSError:
+            pass
 
     def _pid(self, name: str) -> int:
         pid = self._pids.get(name)

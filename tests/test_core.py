@@ -179,6 +179,37 @@ def test_timeline_is_valid_chrome_trace(tmp_path):
     assert begins == ends > 0
 
 
+def test_timeline_reaches_the_file_as_written_and_a_write_error_only_stops_it(tmp_path, caplog):
+    """Events are on disk as they are written (a killed job keeps its trace up to there); a
+    write that fails (a full disk) stops the timeline with one logged error, not the engine."""
+    from hvddp.timeline import Timeline
+
+    path = tmp_path / "live.json"
+    timeline = Timeline(0)
+    timeline.start(str(path))
+    timeline.negotiate_start("grad", "allreduce")
+    on_disk = path.read_text()  # not closed: what a killed job would leave
+    assert "NEGOTIATE_ALLREDUCE" in on_disk and "allreduce.grad" in on_disk, on_disk
+
+    class Full:
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+
+        def close(self):
+            raise OSError(28, "No space left on device")
+
+    timeline._file.close()
+    timeline._file = Full()
+    with caplog.at_level("ERROR", logger="hvddp"):
+        timeline.negotiate_rank_ready("grad", 0)  # fails: gives up, raises nothing
+        timeline.negotiate_end("grad")
+        timeline.close()
+    assert not timeline
+    assert [r.getMessage() for r in caplog.records].count(
+        f"writing the timeline {path} failed ([Errno 28] No space left on device); no more timeline "
+        f"events are written") == 1, caplog.text
+
+
 def test_process_sets_removed_in_flight_unnamed_calls_and_init_lists(tmp_path):
     env = {"HVDDP_STALL_CHECK_TIME_SECONDS": "1", "HVDDP_STALL_SHUTDOWN_TIME_SECONDS": "20"}
     out = run(3, [os.path.join(ROOT, "tests", "mpi_core_sets.py"), str(tmp_path)], timeout=120, env=env).stdout
