@@ -66,5 +66,20 @@ assert len(got) == 5 << 20 and len(set(digest)) == 1, digest
 checkpoint.save_bytes(b"", os.path.join(directory, "empty.bin"))
 assert checkpoint.load_bytes(os.path.join(directory, "empty.bin")) == b""
 
+# hvddp.torch's saver gathers its state on the root inside the write: a state that cannot be
+# gathered there (a "scheduler" without state_dict) fails on every rank; nobody is left waiting.
+import torch  # noqa: E402
+
+from hvddp.torch import checkpoint as torch_checkpoint  # noqa: E402
+
+try:
+    torch_checkpoint.save_checkpoint(os.path.join(directory, "torch.pt"), torch.nn.Linear(2, 2),
+                                     scheduler=object())
+except checkpoint.CheckpointError as exc:
+    assert "AttributeError" in str(exc) and "rank 0 could not write it" in str(exc), exc
+else:
+    raise AssertionError("a state the root could not gather was saved")
+assert hvddp.allreduce(np.ones(1), name="after.torch.checkpoint", op=hvddp.Sum)[0] == hvddp.size()
+
 sys.stdout.write(f"rank {rank}: CHECKPOINT OK\n")
 sys.stdout.flush()

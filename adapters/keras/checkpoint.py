@@ -25,6 +25,7 @@ rank 0 needs to see it. It is unpickled on load: load only checkpoints you wrote
 from __future__ import annotations
 
 import os
+import pickle
 import random
 from typing import Any, Dict, List, Optional, Union
 
@@ -151,13 +152,15 @@ def save_checkpoint(path: Union[str, os.PathLike], model: keras.Model, optimizer
         mine = {"seeds": _values(own), "python": random.getstate(), "numpy": np.random.get_state(),
                 "backend": _backend_rng()}
         per_rank = hvddp.allgather_object(mine, name="__hvddp.keras.checkpoint.rng", process_set=process_set)
-    state = None
-    if hvddp.rank() == root_rank:
+
+    def data(f):  # the root gathers the state in here: a failure is reported on every rank
         state = {"format": FORMAT, "size": process_set.size(), "epoch": epoch, "step": step,
                  "variables": _values(shared),
                  "optimizer": _values(optimizer.variables) if optimizer is not None else None,
                  "extra": extra, "rng": per_rank}
-    _core.save(state, path, root_rank, process_set)
+        pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
+
+    _core.save_bytes(data if hvddp.rank() == root_rank else None, path, root_rank, process_set)
 
 
 def load_checkpoint(path: Union[str, os.PathLike], model: keras.Model, optimizer: Any = None, *,

@@ -112,8 +112,8 @@ def save_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Modu
     root_rank = _core.root_of(root_rank, "save_checkpoint", process_set)
     rngs = hvddp.allgather_object(rng_state(), name="__hvddp.torch.checkpoint.rng",
                                   process_set=process_set) if rng else None
-    data = None
-    if hvddp.rank() == root_rank:
+
+    def data(f):  # the root gathers the state in here: a failure is reported on every rank
         state = {
             "format": FORMAT, "size": process_set.size(), "epoch": epoch, "step": step,
             "model": model.state_dict() if model is not None else None,
@@ -121,11 +121,9 @@ def save_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Modu
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "extra": extra, "rng": rngs,
         }
+        torch.save(state, f)
 
-        def data(f):
-            torch.save(state, f)
-
-    _core.save_bytes(data, path, root_rank, process_set)
+    _core.save_bytes(data if hvddp.rank() == root_rank else None, path, root_rank, process_set)
 
 
 def load_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Module] = None,
