@@ -156,6 +156,9 @@ def _report_and_abort(world, text: str) -> None:
     _write_stderr(text)
     time.sleep(0.2)  # launchers stop forwarding output once they see the abort
     world.Abort(1)
+    # MPICH 5.0.2's MPI_Abort can return before the launcher kills the job: exit here, so that
+    # atexit does not run (it would report this rank done, and shut hvddp down under the peers)
+    os._exit(1)
 
 
 def _write_status(kind: str, payload: dict) -> None:

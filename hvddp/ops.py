@@ -123,12 +123,13 @@ def _op(op: Any, average: Any, fn: str, default: ReduceOp = Average,
         return Average if average else Sum
     if op is None:
         return default
+    ops = f"hvddp.Average, Sum, Min, Max, Product{', Adasum' if adasum else ''}"
     if isinstance(op, bool) or not isinstance(op, (int, ReduceOp)):
-        raise ValueError(f"{fn}: op must be one of hvddp.Average, Sum, Min, Max, Product; got {op!r}.")
+        raise ValueError(f"{fn}: op must be one of {ops}; got {op!r}.")
     try:
         op = ReduceOp(op)
     except ValueError:
-        raise ValueError(f"{fn}: op must be one of hvddp.Average, Sum, Min, Max, Product; got {op!r}.") from None
+        raise ValueError(f"{fn}: op must be one of {ops}; got {op!r}.") from None
     if op is ReduceOp.ADASUM and not adasum:
         raise ValueError(f"{fn}: op=Adasum applies to allreduce and grouped_allreduce only; use "
                          f"Average or Sum here.")
