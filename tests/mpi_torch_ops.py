@@ -483,6 +483,26 @@ def test_duplicate_pending_name_is_value_error():
         hvd.synchronize(handle)
 
 
+def test_in_place_on_negated_views_saved_tensors_and_meta():
+    """A lazily negated view (x.conj().imag) is written, not silently left as it was; a tensor
+    autograd saved for backward and then reduced in place makes backward raise torch's in-place
+    error (not a wrong gradient); a meta tensor is refused by name."""
+    z = torch.complex(torch.zeros(3), torch.full((3,), float(R + 1)))
+    view = z.conj().imag  # -(R + 1), a negative-bit view of z's memory
+    assert view.is_neg()
+    hvd.allreduce_(view, op=hvd.Sum, name="neg.view")
+    torch.testing.assert_close(view, torch.full((3,), -float(sum(range(1, N + 1)))))
+    torch.testing.assert_close(z.imag, torch.full((3,), float(sum(range(1, N + 1)))))
+    w = torch.ones(1, requires_grad=True)
+    saved = w * 2.0
+    loss = (saved * saved).sum()  # saves `saved` for backward
+    hvd.allreduce_(saved.detach(), op=hvd.Sum, name="saved.inplace")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    with pytest.raises(TypeError, match="meta device"):
+        hvd.allreduce(torch.ones(2, device="meta"), name="meta")
+
+
 def test_bad_arguments():
     with pytest.raises(TypeError, match="torch.Tensor"):
         hvd.allreduce([1.0, 2.0])

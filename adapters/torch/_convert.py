@@ -32,6 +32,9 @@ def check_tensor(tensor: Any, fn: str, arg: str = "tensor") -> torch.Tensor:
     if tensor.dtype not in _NUMPY_OF:
         raise TypeError(f"{fn}: {arg} has dtype {tensor.dtype}, which hvddp does not support; "
                         f"supported: {SUPPORTED}. Cast it first (e.g. tensor.float()).")
+    if tensor.device.type == "meta":
+        raise TypeError(f"{fn}: {arg} is on the meta device, which holds no values to communicate; "
+                        f"materialize it first (e.g. module.to_empty(device='cpu') and initialize).")
     return tensor
 
 
@@ -112,6 +115,10 @@ def target(tensor: torch.Tensor) -> Tuple[Any, Optional[Callable[[], None]]]:
     if _on_core_device(tensor):
         return _device_view(tensor), None
     staged = _staged(tensor)
+    if staged is tensor and (tensor.is_neg() or tensor.is_conj()):
+        # a lazily negated view (x.conj().imag): its numpy form is a resolved copy, so the result
+        # must be copied back (copy_ honours the view), or the tensor would silently stay as it was
+        staged = tensor.detach().resolve_neg().resolve_conj()
     if staged is tensor:
         return as_numpy(tensor), None
     return as_numpy(staged), lambda: tensor.data.copy_(staged)

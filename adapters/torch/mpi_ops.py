@@ -73,6 +73,8 @@ def _inplace(tensors: Sequence[torch.Tensor], copy_backs, single: bool):
         for copy_back in copy_backs:
             if copy_back is not None:
                 copy_back()
+        for t in tensors:  # written behind autograd's back: a tensor saved for backward then
+            torch.autograd.graph.increment_version(t)  # raises torch's in-place error, not a wrong gradient
         return tensors[0] if single else list(tensors)
     return finish
 
