@@ -270,12 +270,15 @@ def init(comm=None, process_sets: Union[None, str, Sequence[ProcessSet]] = None)
         from . import _faults
 
         _faults.install(world)  # one rank's uncaught exception ends the job, even without -m mpi4py
+        made = None  # a communicator made here from a list of ranks
         if comm is None:
             base = world
         elif isinstance(comm, (list, tuple)):
             ranks = list(comm)
             if world.Get_rank() in ranks:
-                base = world.Create(world.Get_group().Incl(ranks))
+                group = world.Get_group().Incl(ranks)
+                base = made = world.Create(group)
+                group.Free()
             else:
                 world.Create(MPI.GROUP_EMPTY)
                 base = MPI.COMM_SELF
@@ -289,6 +292,8 @@ def init(comm=None, process_sets: Union[None, str, Sequence[ProcessSet]] = None)
         state = _State()
         state.config = cfg
         state.comm = base.Dup()
+        if made is not None:
+            made.Free()  # (only its duplicate is kept)
         state.rank = state.comm.Get_rank()
         state.size = state.comm.Get_size()
         state.thread_level = MPI.Query_thread()
@@ -372,11 +377,18 @@ def shutdown() -> None:
         finally:
             if state.timeline:
                 state.timeline.close()
+            stopped = not state.engine.running()
             for view in list(state.process_sets.values()):  # members or not: a later init()
-                if view.owner is not global_process_set:      # registers them afresh everywhere
+                if stopped and view.comm is not None:          # registers them afresh everywhere
+                    view.comm.Free()
+                view.owner.comm = None
+                if view.owner is not global_process_set:
                     view.owner.process_set_id = None
                     _forget_parts(view.owner)
             global_process_set.process_set_id = None
+            if stopped:  # MPI has a few thousand communicator ids: init/shutdown loops ran out
+                for comm in (state.local_comm, state.cross_comm, state.comm):
+                    comm.Free()
 
 
 def is_initialized() -> bool:

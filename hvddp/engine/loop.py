@@ -121,6 +121,10 @@ class Engine:
         if threading.current_thread() is not self._thread:
             self._thread.join()
 
+    def running(self) -> bool:
+        """Whether the engine thread is still alive (it may be using the communicators)."""
+        return self._thread.is_alive()
+
     # Engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
         cycle_s = self.config.cycle_time_ms / 1000.0
