@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Callable, List, Optional
 
 __all__ = ["Handle", "poll", "synchronize"]
@@ -52,7 +53,9 @@ class Handle:
             HvddpError: the collective failed (on every rank alike).
         """
         if not self._done:
-            if not self._gate.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
+            if timeout is not None:  # (Lock.acquire refuses more than TIMEOUT_MAX, math.inf say)
+                timeout = min(max(timeout, 0), threading.TIMEOUT_MAX)
+            if not self._gate.acquire(timeout=-1 if timeout is None else timeout):
                 raise TimeoutError(f"collective {self.name!r} did not complete within {timeout} s.")
             self._gate.release()  # let other waiters through
         if self._error is not None:
@@ -118,8 +121,15 @@ def wake_deferred() -> None:
 
 
 def poll(handle: Handle) -> bool:
-    """Return True if the asynchronous operation behind ``handle`` has completed."""
+    """Return True if the asynchronous operation behind ``handle`` has completed.
+
+    Not done, it yields the interpreter lock for a moment: the engine is a Python thread, and a
+    loop of ``while not poll(h): pass`` would otherwise starve it (measured 80 times slower).
+    """
     _check(handle)
+    if handle.done():
+        return True
+    time.sleep(0)
     return handle.done()
 
 

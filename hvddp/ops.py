@@ -62,8 +62,8 @@ def _auto_name(kind: str, process_set: ProcessSet) -> str:
     ps_id = process_set.process_set_id
     counters = runtime._state().auto_names
     counter = counters.get((kind, ps_id))
-    if counter is None:
-        counter = counters[(kind, ps_id)] = itertools.count()
+    if counter is None:  # (setdefault: two threads' first calls get one counter, not two)
+        counter = counters.setdefault((kind, ps_id), itertools.count())
     n = next(counter)
     return f"{kind}.noname.{n}" if ps_id == 0 else f"{kind}.ps{ps_id}.noname.{n}"
 
