@@ -175,7 +175,7 @@ def parse_hostfile(path: str) -> List[Tuple[str, int]]:
             line = line.split("#", 1)[0].strip()
             if not line:
                 continue
-            host, *options = line.replace(" = ", "=").split()
+            host, *options = re.sub(r"\s*=\s*", "=", line).split()  # ("slots = 4", "slots= 4")
             host, _, slots = host.partition(":")
             for option in options:  # Open MPI style: slots=N [max_slots=M ...]
                 key, _, value = option.partition("=")
@@ -205,8 +205,9 @@ _PY_OPTS_WITH_ARG = ("-W", "-X", "-Q")
 def python_command(command: Sequence[str]) -> List[str]:
     """Insert ``-m mpi4py`` into a Python command.
 
-    A bare ``python``/``python3`` and a leading ``script.py`` run with the interpreter hvddprun
-    runs in, whose mpi4py chose the launcher; other commands are left as they are.
+    A bare ``python``/``python3``/``python3.X`` (whatever the version) and a leading
+    ``script.py`` run with the interpreter hvddprun runs in, whose mpi4py chose the launcher;
+    other commands are left as they are.
     """
     command = list(command)
     if not command:

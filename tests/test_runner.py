@@ -168,8 +168,8 @@ def test_python_commands_get_mpi4py(command, expected):
 
 def test_hostfile_formats(tmp_path):
     f = tmp_path / "h"
-    f.write_text("a\nb:3\nc slots=2  # comment\n\n")
-    assert runner.parse_hostfile(str(f)) == [("a", 1), ("b", 3), ("c", 2)]
+    f.write_text("a\nb:3\nc slots=2  # comment\n\nd slots= 4\ne slots = 5 max_slots=8\n")
+    assert runner.parse_hostfile(str(f)) == [("a", 1), ("b", 3), ("c", 2), ("d", 4), ("e", 5)]
     f.write_text("a slots=x\n")
     with pytest.raises(ValueError, match="line 1"):
         runner.parse_hostfile(str(f))
