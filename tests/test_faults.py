@@ -224,6 +224,20 @@ def test_stall_shutdown_ends_the_job_when_a_rank_is_stuck_in_its_own_code():
     assert elapsed < 10, f"took {elapsed:.1f} s\n{out}"
 
 
+def test_a_rank_that_cannot_allocate_ends_the_job_instead_of_hanging_it():
+    """Rank 1 fails to allocate an allgather's output (simulated MemoryError) before the MPI
+    call that rank 0 is already in. Its engine stops, its handle fails naming the cause, and
+    although the script catches the error and exits normally, the job is aborted: rank 0 would
+    otherwise wait inside MPI forever (before, only the handle failed and the engine went on)."""
+    result, elapsed = _timed(2, [SCRIPT, "oom"], timeout=60)
+    out = result.stdout
+    assert result.returncode != 0, out
+    assert "rank 1: GATHER FAILED" in out and "MemoryError" in out, out
+    assert "rank 0: gathered" not in out, out
+    assert "aborting the job (MPI_Abort) instead of finalizing MPI" in out, out
+    assert elapsed < 15, f"took {elapsed:.1f} s\n{out}"
+
+
 @pytest.mark.parametrize("log_level", [None, "ERROR"])
 def test_stall_without_shutdown_warns_after_check_time_and_recovers(log_level):
     """The warning is rank-prefixed, logged once by rank 0, and HVDDP_LOG_LEVEL=ERROR hides it."""

@@ -213,6 +213,7 @@ class Executor:
         try:
             result = self._dispatch(request, entry, info)
         except Exception as exc:  # reported on the caller's thread; the engine goes on
+            _fatal_if_local(exc)
             if entry is not None:
                 entry.fail(exc if isinstance(exc, HvddpError) else
                            HvddpError(f"{request.kind.value} {request.name!r} failed: {exc}"))
@@ -342,6 +343,7 @@ class Executor:
                         entry.output = self.pool.empty(request.shape, _dtype(request.dtype))
                     _scaled_copy(entry.output.reshape(-1), view, post)
         except Exception as exc:
+            _fatal_if_local(exc)
             _fail(batch, exc)
             return
         if tl:
@@ -373,6 +375,7 @@ class Executor:
                 self.timeline.activities(names, "CMA_ALLREDUCE")
             cma.allreduce_many(srcs, dsts, request0.op, post)
         except Exception as exc:
+            _fatal_if_local(exc)
             _fail(group, exc)
             return
         if names:
@@ -443,6 +446,18 @@ def shares_memory(starts: np.ndarray, arrays: list) -> bool:
     order = np.argsort(starts[keep], kind="stable")
     starts, ends = starts[keep][order], ends[keep][order]
     return starts.size > 1 and bool((np.maximum.accumulate(ends)[:-1] > starts[1:]).any())
+
+
+def _fatal_if_local(exc: Exception) -> None:
+    """Re-raise what only this rank can have hit, so that the engine stops (and the job ends).
+
+    A failure every rank meets alike (an agreed error) fails the handles and the engine goes on.
+    One rank that cannot allocate an output or a copy fails before its peers' MPI call returns:
+    they would wait in it forever. Re-raised, it stops this rank's engine, fails its handles
+    with the cause, and marks the world broken, so that the job ends rather than hangs.
+    """
+    if isinstance(exc, MemoryError):
+        raise exc
 
 
 def _fail(batch: list, exc: Exception) -> None:

@@ -52,6 +52,24 @@ if "--patch-engine" in sys.argv:  # what the core request asks Engine._stop_with
 rank, size = hvddp.rank(), hvddp.size()
 say(f"rank {rank}: started pid {os.getpid()} installed={hvddp._faults.installed()}")
 start = time.monotonic()
+if mode == "oom":  # rank 1 cannot allocate an allgather's output: it fails alone, before MPI
+    from hvddp.engine import executor
+
+    if rank == 1:
+        real_dispatch = executor.Executor._dispatch
+
+        def failing_dispatch(self, request, entry, info):
+            if request.name == "gather.big":
+                raise MemoryError("simulated: cannot allocate the output")
+            return real_dispatch(self, request, entry, info)
+
+        executor.Executor._dispatch = failing_dispatch
+    try:
+        hvddp.allgather(np.ones((4, 2)), name="gather.big")
+        say(f"rank {rank}: gathered")
+    except hvddp.HvddpError as exc:
+        say(f"rank {rank}: GATHER FAILED: {exc}")
+    sys.exit(0)  # caught and gone on: the exit must end the job (rank 0 waits inside MPI)
 try:
     if mode == "skip_cached":  # the stall must end the job although every cycle has cached work
         x = np.ones(4)
