@@ -124,7 +124,8 @@ def poll(handle: Handle) -> bool:
     """Return True if the asynchronous operation behind ``handle`` has completed.
 
     Not done, it yields the interpreter lock for a moment: the engine is a Python thread, and a
-    loop of ``while not poll(h): pass`` would otherwise starve it (measured 80 times slower).
+    loop of ``while not poll(h): pass`` would otherwise starve it (50 allreduces of 100,000
+    floats at 2 ranks took 1.84 s that way, 0.04 s once poll() yields).
     """
     _check(handle)
     if handle.done():

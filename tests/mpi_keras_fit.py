@@ -43,6 +43,17 @@ class Unused(layers.Layer):
         return x
 
 
+def saved_by_rank_0(model, filename):
+    """Save ``model`` from rank 0 into a fresh directory every rank knows; return the path once
+    the file is there."""
+    directory = hvd.broadcast_object(tempfile.mkdtemp() if RANK == 0 else None, 0, name=f"test.dir.{filename}")
+    path = os.path.join(directory, filename)
+    if RANK == 0:
+        model.save(path)
+    hvd.barrier()
+    return path
+
+
 def make_model(seed=0, units=8, unused=True):
     keras.utils.set_random_seed(seed)
     middle = [Unused()] if unused else []
@@ -267,11 +278,7 @@ def test_load_model_turns_off_the_xla_a_gpu_machine_saved():
         model = make_model(unused=False)
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
         assert model.jit_compile is True  # what Keras would save on a GPU machine
-        directory = hvd.broadcast_object(tempfile.mkdtemp() if RANK == 0 else None, 0, name="test.jitdir")
-        path = os.path.join(directory, "model.keras")
-        if RANK == 0:
-            model.save(path)
-        hvd.barrier()
+        path = saved_by_rank_0(model, "model.keras")
         again = hvd.load_model(path)
         assert again.jit_compile is False and hvd.is_distributed(again.optimizer)
         x, y = global_data()
@@ -291,11 +298,7 @@ def test_save_and_reload():
     assert keras.saving.serialize_keras_object(model.optimizer) == \
         keras.saving.serialize_keras_object(keras.optimizers.Adam.from_config(model.optimizer.get_config()))
     model.fit(shard(x), shard(y), batch_size=GLOBAL_BATCH // SIZE, epochs=1, shuffle=False, verbose=0)
-    directory = hvd.broadcast_object(tempfile.mkdtemp() if RANK == 0 else None, 0, name="test.savedir")
-    path = os.path.join(directory, "model.keras")
-    if RANK == 0:
-        model.save(path)
-    hvd.barrier()
+    path = saved_by_rank_0(model, "model.keras")
     plain = keras.models.load_model(path)  # no hvddp class in the file
     assert isinstance(plain.optimizer, keras.optimizers.Adam) and type(plain.optimizer).__name__ == "Adam"
     assert not hvd.is_distributed(plain.optimizer)
@@ -515,11 +518,7 @@ def test_reloaded_model_sums_accumulated_passes_as_before():
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2),
                   loss="sparse_categorical_crossentropy")
     model.fit(x[:2 * per], y[:2 * per], batch_size=per, shuffle=False, verbose=0)
-    directory = hvd.broadcast_object(tempfile.mkdtemp() if RANK == 0 else None, 0, name="test.bppsdir")
-    path = os.path.join(directory, "bpps.keras")
-    if RANK == 0:
-        model.save(path)
-    hvd.barrier()
+    path = saved_by_rank_0(model, "bpps.keras")
     again = hvd.load_model(path)
     before = model.get_weights()
     for m in (model, again):

@@ -39,7 +39,7 @@ def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: Optional[
     _no_session(session, "broadcast_object_fn")
 
     def broadcast(obj: Any) -> Any:
-        return hvddp.broadcast_object(obj, root_rank, name=name, process_set=process_set)
+        return broadcast_object(obj, root_rank, None, name, process_set)
 
     return broadcast
 

@@ -82,9 +82,20 @@ class WrapperCommon:
                 self._hvddp_added(p)
 
     def _hvddp_added(self, p) -> None:
-        """A parameter of a group added after set-up: track it if it trains."""
+        """A parameter of a group added after set-up: tracked if it trains, else kept for later."""
         if p.requires_grad:
             self._hvddp_track(p)
+        else:
+            self._hvddp_frozen.append(p)
+
+    def _hvddp_adopt_unfrozen(self) -> None:
+        """Track the parameters that were frozen (at wrapping, or when added) and train now; every
+        rank runs the same script, so every rank adopts them at the same step."""
+        unfrozen = [p for p in self._hvddp_frozen if p.requires_grad]
+        if unfrozen:  # (not list.remove: it compares tensors by value)
+            self._hvddp_frozen = [p for p in self._hvddp_frozen if not p.requires_grad]
+            for p in unfrozen:
+                self._hvddp_track(p)
 
     def _hvddp_track(self, p) -> None:
         """Communicate for ``p`` from now on: listed, counted, and hooked when active."""

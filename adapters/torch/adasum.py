@@ -49,6 +49,7 @@ class _DistributedAdasumOptimizer(WrapperCommon):
         self._hvddp_bpps = int(backward_passes_per_step)
         self._hvddp_process_set = process_set
         self._hvddp_params = [p for p in names if p.requires_grad]  # (a dict's keys: no repeats)
+        self._hvddp_frozen = [p for p in names if not p.requires_grad]  # adopted once unfrozen
         self._hvddp_delay = {p: self._hvddp_bpps for p in self._hvddp_params}
         self._hvddp_saved: Dict[torch.Tensor, torch.Tensor] = {}
         self._hvddp_flights: Dict[torch.Tensor, tuple] = {}
@@ -132,10 +133,8 @@ class _DistributedAdasumOptimizer(WrapperCommon):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        tracked = set(self._hvddp_params)
-        for p in self._hvddp_names:  # frozen at wrapping, trainable now (on every rank alike)
-            if p.requires_grad and p not in tracked:
-                self._hvddp_track(p)
+        if self._hvddp_frozen:
+            self._hvddp_adopt_unfrozen()
         for p in self._hvddp_params:
             if p not in self._hvddp_flights:  # no gradient yet, or fewer passes than set: sent now
                 self._hvddp_send_delta(p)

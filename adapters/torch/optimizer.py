@@ -234,10 +234,7 @@ class _DistributedOptimizer(WrapperCommon):
     def _hvddp_added(self, p: torch.Tensor) -> None:
         """A parameter of a group added after set-up: named in full, and tracked unless frozen."""
         self._hvddp_full_names[p] = self._hvddp_prefix + self._hvddp_names[p]
-        if not p.requires_grad:
-            self._hvddp_frozen.append(p)
-            return
-        self._hvddp_track(p)
+        super()._hvddp_added(p)
 
     # backward side -----------------------------------------------------------------------
     def _hvddp_hook(self, p: torch.Tensor) -> None:
@@ -311,15 +308,6 @@ class _DistributedOptimizer(WrapperCommon):
                                               f"{self._hvddp_prefix}group.{gi}", self._hvddp_op,
                                               self._hvddp_pre, self._hvddp_post, ps)
         self._hvddp_flights.append(_Flight(handle, dense, gi is not None))
-
-    def _hvddp_adopt_unfrozen(self) -> None:
-        """Reduce (and hook) the parameters that were frozen at wrapping and are trainable now;
-        every rank runs the same script, so every rank adopts them at the same step."""
-        unfrozen = [p for p in self._hvddp_frozen if p.requires_grad]
-        if unfrozen:  # (not list.remove: it compares tensors by value)
-            self._hvddp_frozen = [p for p in self._hvddp_frozen if not p.requires_grad]
-            for p in unfrozen:
-                self._hvddp_track(p)
 
     def _hvddp_sparse_flight(self, p: torch.Tensor, grad: Optional[torch.Tensor]) -> _Flight:
         handle = sparse_rows_async(grad, p, self._hvddp_full_names[p], self._hvddp_op,
