@@ -181,6 +181,7 @@ def _write_status(kind: str, payload: dict) -> None:
 # turns "exited 0 without finishing" into a failure.
 _RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 _FORWARDED_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT")
+_LAUNCHER_STOP_WAIT_S = 3.0  # how long a monitor waits for hydra to stop the job after its rank failed
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -199,6 +200,32 @@ def _describe(code: int) -> str:
                 if -code == signal.SIGKILL else "")
         return f"was killed by signal {-code} ({name}){hint}"
     return f"exited with code {code}"
+
+
+def _release_pmi_socket(stopped: list) -> None:
+    """Close this monitor's copy of its failed rank's PMI socket, then wait a moment to be stopped.
+
+    Hydra's proxy stops the other ranks when it reads EOF on a rank's PMI socket before that rank
+    finalized. The monitor inherited the socket (PMI_FD) with the rest of the rank's descriptors,
+    so the EOF used to come only from the monitor's own exit, which also closes its stdout and
+    stderr and ends in SIGCHLD. When the proxy woke on stderr's close and reaped the monitor before
+    it read the PMI socket (2 busy cores, or a slowed proxy), hydra 5.0.2 did not clean up, and the
+    other ranks waited in their collective until the job was killed from outside. Closed while
+    the monitor lives and its stdio is open, the EOF is read first and the proxy kills every rank,
+    this monitor included; if nothing comes (no hydra, the rank finalized, auto-cleanup disabled),
+    the monitor exits as before after a short wait.
+    """
+    fd = os.environ.get("PMI_FD", "")
+    if not fd.isdigit():
+        return
+    try:
+        os.close(int(fd))
+    except OSError:
+        return
+    signals = len(stopped)
+    deadline = time.monotonic() + _LAUNCHER_STOP_WAIT_S
+    while time.monotonic() < deadline and len(stopped) == signals:  # a forwarded stop ends the wait
+        time.sleep(0.02)
 
 
 def rank_monitor(command: Sequence[str]) -> int:
@@ -252,6 +279,8 @@ def rank_monitor(command: Sequence[str]) -> int:
         if not failed:  # an uncaught exception already printed its own traceback
             print(f"hvddprun: rank {rank} (pid {child.pid} on {host}) {what}; the launcher will "
                   f"now stop the other ranks.", file=sys.stderr, flush=True)
+        if not finished:  # it left without finalizing: let hydra see that while this monitor lives
+            _release_pmi_socket(stopped)
     if vanished:
         return 1  # make the launcher fail the job now, not report success later
     if code < 0:  # end the way the rank ended, so the launcher reports the same signal
@@ -263,6 +292,16 @@ def rank_monitor(command: Sequence[str]) -> int:
 
 
 # Status of the ranks after the run --------------------------------------------------------------
+def failed_ranks(directory: str) -> List[int]:
+    """The ranks that have failed so far (an uncaught exception, or an abnormal end the rank
+    monitor saw), from their status files; hvddprun checks this while the launcher runs."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(int(m.group(1)) for m in map(re.compile(r"rank-(\d+)\.(failed|exit)").fullmatch, names) if m)
+
+
 def _read_status(directory: str) -> Dict[str, Dict[int, dict]]:
     status: Dict[str, Dict[int, dict]] = {"start": {}, "done": {}, "failed": {}, "exit": {}}
     for name in os.listdir(directory):
@@ -277,7 +316,8 @@ def _read_status(directory: str) -> Dict[str, Dict[int, dict]]:
     return status
 
 
-def report(directory: str, np_: int, returncode: int) -> Tuple[int, List[str]]:
+def report(directory: str, np_: int, returncode: int,
+           stopped_by: Optional[str] = None) -> Tuple[int, List[str]]:
     """Explain a run from the ranks' status files; return the exit code to use and the lines.
 
     Ranks leave files once they called ``hvddp.init()`` (start, done, failed) and, under the rank
@@ -286,7 +326,8 @@ def report(directory: str, np_: int, returncode: int) -> Tuple[int, List[str]]:
     any other failure or exit, whatever the clock says: the peer announces its shutdown before its
     monitor sees it exit. When only such errors are left, the ranks that finished are named as the
     ones that left. A rank that neither failed nor finished makes the run fail even if the
-    launcher returned 0.
+    launcher returned 0. ``stopped_by`` names the signal hvddprun got and passed on, if any: ranks
+    that ended without a word then were stopped, not lost.
     """
     status = _read_status(directory)
     started, done, failed, exits = status["start"], status["done"], status["failed"], status["exit"]
@@ -305,20 +346,25 @@ def report(directory: str, np_: int, returncode: int) -> Tuple[int, List[str]]:
         events.append((False, info.get("time", float("inf")), rank, str(info.get("what", "failed"))))
     events.sort(key=lambda e: e[:3])
     leavers = sorted(r for r in done if r not in failed and r not in exits)
-    if events and all(e[0] for e in events) and leavers:
-        # only peers' ShutdownErrors: ranks that finished left while the others still waited (a
-        # rank's exit code is not known at its exit: sys.exit(2) reads like the end of the script)
-        lines.append(f"hvddprun: {', '.join(who(r) for r in leavers)} left the job (hvddp shut down "
-                     f"at its exit: the script ended early, or called sys.exit() or shutdown()) while "
-                     f"other ranks still had collectives pending.")
-    if events:
+    vanished = sorted(r for r in started if r not in done and r not in failed and r not in exits)
+    if stopped_by:  # what the ranks did then follows from the signal: none of them is the cause
+        lines.append(f"hvddprun: stopped by {stopped_by}, which it passed on to the launcher.")
+        lines += [f"hvddprun: then {who(rank)} {what}" for _, _, rank, what in events]
+        if vanished:
+            lines.append(f"hvddprun: the launcher stopped {', '.join(who(r) for r in vanished)}.")
+    elif events:
+        if all(e[0] for e in events) and leavers:
+            # only peers' ShutdownErrors: ranks that finished left while the others still waited (a
+            # rank's exit code is not known at its exit: sys.exit(2) reads like the end of the script)
+            lines.append(f"hvddprun: {', '.join(who(r) for r in leavers)} left the job (hvddp shut down "
+                         f"at its exit: the script ended early, or called sys.exit() or shutdown()) while "
+                         f"other ranks still had collectives pending.")
         _, _, rank, what = events[0]
         lines.append(f"hvddprun: the first rank to fail: {who(rank)}, which {what}")
         lines += [f"hvddprun: then {who(rank)} {what}" for _, _, rank, what in events[1:]]
         lines.append("hvddprun: the job was aborted.")
-    vanished = sorted(r for r in started if r not in done and r not in failed and r not in exits)
-    if vanished and events:
-        lines.append(f"hvddprun: the launcher then stopped {', '.join(f'rank {r}' for r in vanished)}.")
+        if vanished:
+            lines.append(f"hvddprun: the launcher then stopped {', '.join(f'rank {r}' for r in vanished)}.")
     elif vanished and returncode != 0:
         lines.append("hvddprun: no rank finished cleanly (run without the rank monitor, the launcher "
                      "names at most a pid): " + ", ".join(who(r) for r in vanished) + ".")
@@ -381,6 +427,34 @@ def remove_leaked_shm(since: float, directory: str = "/dev/shm") -> List[str]:
     for path in candidates:
         if path in busy:
             continue
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            continue
+    return removed
+
+
+def remove_singleton_segments(library: str, maps: str = "/proc/self/maps") -> List[str]:
+    """Unlink the ``/dev/shm`` segments of an Open MPI process started without a launcher.
+
+    Open MPI (5.0.x) never removes the 16 MiB ``sm_segment.*`` of a singleton (``python
+    train.py``, no mpirun), so every such run left one behind in memory-backed ``/dev/shm``.
+    The segment stays usable while mapped; unlinking it only frees it when the process ends.
+    Under a launcher, or with another MPI, this does nothing.
+
+    Returns:
+        The paths removed.
+    """
+    if "open mpi" not in library.lower() or any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK")):
+        return []
+    removed = []
+    try:
+        with open(maps) as f:
+            paths = {line.split()[-1] for line in f if "/dev/shm/sm_segment." in line}
+    except OSError:
+        return []
+    for path in sorted(paths):
         try:
             os.unlink(path)
             removed.append(path)

@@ -85,7 +85,7 @@ def _library() -> Tuple[str, List[str]]:
         mpi4py.rc.initialize = False  # MPI_Get_library_version needs no MPI_Init
     from mpi4py import MPI
 
-    text = MPI.Get_library_version()
+    text = MPI.Get_library_version().replace("\x00", "")  # Open MPI's ends in a NUL byte
     paths = []
     try:
         with open("/proc/self/maps") as maps:
@@ -268,7 +268,10 @@ def build_command(launch: Launch, np_: int, command: Sequence[str], env: Dict[st
         command: what every rank runs (``-m mpi4py`` already inserted).
         env: variables every rank must see (forwarded explicitly, also to remote hosts).
         hosts: ``[(host, slots)]``; None runs every rank on this machine.
-        mpi_args: extra launcher arguments, placed before the command.
+        mpi_args: extra launcher arguments, placed before the command. For Open MPI, an
+            ``--map-by``, ``--bind-to`` or ``--oversubscribe`` there replaces hvddprun's own
+            (prterun refuses an option given twice); oversubscription then goes into the
+            user's ``--map-by`` as ``:OVERSUBSCRIBE``.
         is_root: running as root (Open MPI refuses without a flag); detected when None.
         cpu_count: cores here (decides Open MPI's oversubscription); detected when None.
 
@@ -292,9 +295,17 @@ def build_command(launch: Launch, np_: int, command: Sequence[str], env: Dict[st
             cmd.append("--allow-run-as-root")
         if host_list:
             cmd += ["-H", host_list]
-        elif np_ > cpu_count:
-            cmd.append("--oversubscribe")
-        cmd += ["--bind-to", "none", "--map-by", "slot"]
+        mpi_args = list(mpi_args)
+        given = _options_given(mpi_args)  # prterun refuses an option listed twice: theirs win
+        oversubscribe = not host_list and np_ > cpu_count and "oversubscribe" not in given
+        if "map-by" in given:
+            if oversubscribe:  # --oversubscribe is a --map-by modifier in Open MPI 5
+                _add_map_by_modifier(mpi_args, "OVERSUBSCRIBE")
+        else:
+            cmd += ["--oversubscribe"] if oversubscribe else []
+            cmd += ["--map-by", "slot"]
+        if "bind-to" not in given:
+            cmd += ["--bind-to", "none"]
         for name in _FORWARD:
             if name in os.environ and name not in env:
                 cmd += ["-x", name]
@@ -307,6 +318,24 @@ def build_command(launch: Launch, np_: int, command: Sequence[str], env: Dict[st
         for name, value in env.items():
             cmd += ["-genv", name, value]
     return cmd + list(mpi_args) + list(command)
+
+
+def _options_given(args: Sequence[str]) -> set:
+    """The names of the options in ``args`` (``--map-by x``, ``-map-by=x`` -> ``map-by``)."""
+    return {a.lstrip("-").split("=")[0] for a in args if a.startswith("-")}
+
+
+def _add_map_by_modifier(args: List[str], modifier: str) -> None:
+    """Append ``:modifier`` to the value of the ``--map-by`` option in ``args``, in place."""
+    for i, arg in enumerate(args):
+        if arg.lstrip("-").split("=")[0] != "map-by":
+            continue
+        j, value = (i, arg.split("=", 1)[1]) if "=" in arg else (i + 1, args[i + 1] if i + 1 < len(args) else "")
+        if modifier.lower() in value.lower():
+            return
+        value = f"{value}:{modifier}" if value else f"slot:{modifier}"
+        args[j] = f"{arg.split('=', 1)[0]}={value}" if j == i else value
+        return
 
 
 # --check-build ----------------------------------------------------------------------------
@@ -464,6 +493,10 @@ def _in_terminal_foreground() -> bool:
         return False
 
 
+_WATCH_S = 0.25  # how often hvddprun looks at the ranks' status while the launcher runs
+_STOP_AFTER_S = 5.0  # how long after a rank failed hvddprun lets the launcher end the job itself
+
+
 def _run(cmd: List[str], status_dir: str, np_: int) -> int:
     full_env = dict(os.environ)
     full_env[_faults.STATUS_DIR_VARIABLE] = status_dir
@@ -473,7 +506,10 @@ def _run(cmd: List[str], status_dir: str, np_: int) -> int:
         print(f"hvddprun: cannot start {cmd[0]}: {exc}", file=sys.stderr)
         return 127
 
+    stopped_by = []  # the signals hvddprun got: the ranks were stopped, they did not fail
+
     def forward(signum, _frame):
+        stopped_by.append(signal.Signals(signum).name)
         try:
             proc.send_signal(signum)
         except OSError:
@@ -482,21 +518,39 @@ def _run(cmd: List[str], status_dir: str, np_: int) -> int:
     started = time.time()
     from_terminal = _in_terminal_foreground()
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGHUP)}
+    first_failure = None  # when a rank's failure was first seen, while the launcher still ran
+    stopping = 0.0  # when hvddprun stopped the launcher itself
     try:
         while True:
             try:
-                returncode = proc.wait()
+                returncode = proc.wait(timeout=_WATCH_S)
                 break
+            except subprocess.TimeoutExpired:
+                # a rank failed and the launcher has not ended the job: hydra can miss a rank's
+                # end (its proxy reaped it before reading its PMI socket), -disable-auto-cleanup
+                # turns that off, other launchers differ; the peers would wait for it forever
+                now = time.monotonic()
+                if first_failure is None and _faults.failed_ranks(status_dir):
+                    first_failure = now
+                if first_failure is not None and not stopping and now - first_failure > _STOP_AFTER_S:
+                    print(f"hvddprun: a rank failed {_STOP_AFTER_S:.0f} s ago and the launcher has not "
+                          f"ended the job; stopping it.", file=sys.stderr, flush=True)
+                    stopping = now
+                    proc.terminate()
+                elif stopping and now - stopping > _STOP_AFTER_S:
+                    proc.kill()
             except KeyboardInterrupt:  # a terminal's Ctrl-C reached mpiexec too (one group); a
                 if not from_terminal:  # SIGINT sent to hvddprun alone is passed on, once
                     forward(signal.SIGINT, None)
+                else:
+                    stopped_by.append("SIGINT")
                 continue
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
     if returncode < 0:
         returncode = 128 - returncode
-    code, lines = _faults.report(status_dir, np_, returncode)
+    code, lines = _faults.report(status_dir, np_, returncode, stopped_by[0] if stopped_by else None)
     for line in lines:
         print(line, file=sys.stderr)
     if code != 0:  # killed ranks leave their MPI shared memory behind on this node

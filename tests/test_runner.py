@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -145,6 +146,27 @@ def test_open_mpi_flags_root_oversubscribe_and_env():
     assert "--oversubscribe" not in cmd and cmd[-2:] == ["--tag-output", "t"]
 
 
+@pytest.mark.parametrize("user, expected", [
+    # (--mpi-args, the launcher flags expected with 4 ranks on 2 cores and no hosts)
+    ([], ["--oversubscribe", "--map-by", "slot", "--bind-to", "none"]),
+    (["--bind-to", "core"], ["--oversubscribe", "--map-by", "slot", "--bind-to", "core"]),
+    (["--map-by", "core"], ["--bind-to", "none", "--map-by", "core:OVERSUBSCRIBE"]),
+    (["--map-by", "ppr:2:node"], ["--bind-to", "none", "--map-by", "ppr:2:node:OVERSUBSCRIBE"]),
+    (["--map-by", "core:oversubscribe", "--bind-to", "core"], ["--map-by", "core:oversubscribe", "--bind-to", "core"]),
+    (["--oversubscribe"], ["--map-by", "slot", "--bind-to", "none", "--oversubscribe"]),
+])
+def test_open_mpi_flags_in_mpi_args_replace_hvddpruns(user, expected):
+    """prterun refuses an option given twice ("bind-to ... listed more than once"): a user's
+    --bind-to/--map-by/--oversubscribe wins, and oversubscription moves into their --map-by."""
+    launch = runner.Launch("openmpi", "Open MPI v5.0.11", "/o/mpirun")
+    cmd = runner.build_command(launch, 4, ["t"], {}, is_root=False, cpu_count=2, mpi_args=user)
+    assert cmd[:3] == ["/o/mpirun", "-np", "4"] and cmd[-1] == "t"
+    flags = [a for i, a in enumerate(cmd[3:-1], 3) if a != "-x" and cmd[i - 1] != "-x"]  # not the env
+    assert flags == expected
+    names = [a.lstrip("-").split("=")[0] for a in flags if a.startswith("-")]
+    assert len(names) == len(set(names)), cmd
+
+
 def test_hydra_flags_hosts_and_env():
     launch = runner.Launch("mpich", "MPICH Version: 5.0.2", "/x/bin/mpiexec")
     cmd = runner.build_command(launch, 3, ["t"], {"HVDDP_LOG_LEVEL": "DEBUG"}, hosts=[("n1", 2), ("n2", 1)],
@@ -197,21 +219,32 @@ def test_check_build_reports_library_threads_and_frameworks():
     assert ("[X] NCCL" in out) == (importlib.util.find_spec("cupy") is not None and "[X] CuPy" in out), out
 
 
-def test_sigint_to_hvddprun_alone_stops_the_job():
-    """A SIGINT sent to hvddprun only (not to the terminal's whole group) reaches the job."""
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_a_signal_to_hvddprun_alone_stops_the_job(signame):
+    """A SIGINT or SIGTERM sent to hvddprun only (not to the terminal's whole group) reaches the
+    job, and hvddprun says it stopped the ranks (not that they vanished)."""
     import signal
 
-    script = "import time, hvddp; hvddp.init(); time.sleep(120)"
+    script = "import time, hvddp; hvddp.init(); print('rank-is-up', flush=True); time.sleep(120)"
     proc = subprocess.Popen([sys.executable, "-m", "hvddp.runner", "-np", "2", "python", "-c", script],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
-        time.sleep(5)  # the ranks are up and sleeping
+        up = 0
+        while up < 2:  # both ranks are past init() and sleeping (a hang is caught by the timeout)
+            line = proc.stdout.readline()
+            assert line, "hvddprun ended before the ranks were up"
+            up += line.count("rank-is-up")  # (two ranks' lines can share one)
         start = time.monotonic()
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(getattr(signal, signame))
         out, _ = proc.communicate(timeout=30)
         assert proc.returncode != 0, out
         assert time.monotonic() - start < 20, out
+        assert f"hvddprun: stopped by {signame}, which it passed on to the launcher.\n" in out, out
+        # then the ranks: raised KeyboardInterrupt (SIGINT) or were stopped by the launcher
+        assert re.search(r"hvddprun: (then|the launcher stopped) rank \d \(pid \d+ on ",
+                         out.split(f"stopped by {signame}")[1]), out
+        assert "no rank finished cleanly" not in out and "first rank to fail" not in out, out
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
