@@ -12,7 +12,6 @@ no copy) with the same scaling rules.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import numbers
 import pickle
 import time
@@ -60,12 +59,7 @@ def _auto_name(kind: str, process_set: ProcessSet) -> str:
     per ``init()``): calls that only a set's members make must not shift the names of calls on
     other sets. Take it only once the call is known to be valid: a refused call takes none."""
     ps_id = process_set.process_set_id
-    counters = runtime._state().auto_names
-    counter = counters.get((kind, ps_id))
-    if counter is None:  # (setdefault: two threads' first calls get one counter, not two)
-        counter = counters.setdefault((kind, ps_id), itertools.count())
-    n = next(counter)
-    return f"{kind}.noname.{n}" if ps_id == 0 else f"{kind}.ps{ps_id}.noname.{n}"
+    return runtime._state().auto_names.take(f"{kind}.noname." if ps_id == 0 else f"{kind}.ps{ps_id}.noname.")
 
 
 def _check_name(name: Any, fn: str) -> Optional[str]:
@@ -96,6 +90,10 @@ def _array(tensor: Any, fn: str, arg: str = "tensor") -> np.ndarray:
         raise TypeError(f"{fn}: {arg} must be a numpy array, got {type(tensor).__name__}. For torch "
                         f"or Keras tensors use hvddp.torch / hvddp.keras; convert lists with np.asarray.")
     if array.dtype not in _DTYPE_NAMES:
+        if not array.dtype.isnative and array.dtype.newbyteorder("=") in _DTYPE_NAMES:
+            raise TypeError(f"{fn}: {arg} has dtype {array.dtype.str}, {array.dtype.name} in non-native "
+                            f"byte order, which hvddp does not reduce or send; convert it first with "
+                            f".astype({array.dtype.name!r}).")
         raise TypeError(f"{fn}: {arg} has dtype {array.dtype}, which hvddp does not support; "
                         f"supported: {', '.join(SUPPORTED_DTYPES)}. Cast it first (e.g. .astype(np.float32)).")
     return array
@@ -208,8 +206,10 @@ def _device_entry(kind: Kind, dev, name: str, view, handle: Handle, index: int, 
     return entry
 
 
-def _group_id(names: Sequence[str]) -> str:
-    return hashlib.blake2b("\x00".join(names).encode(), digest_size=8).hexdigest()
+def _group_id(names: Sequence[str], ps_id: int) -> str:
+    """A group's key in the engine: its members' names and its process set (the same names may
+    form a group on two sets at once, as two data-parallel groups' optimizers do)."""
+    return hashlib.blake2b(f"{ps_id}\x00".encode() + "\x00".join(names).encode(), digest_size=8).hexdigest()
 
 
 def _submit(state, entries: List[Entry]) -> None:
@@ -297,7 +297,7 @@ def _allreduce(fn: str, tensors: Sequence[Any], average, name, op, prescale_fact
     else:
         names = [name or _auto_name("allreduce", process_set)]
     handle = Handle(base if grouped else names[0], parts=len(arrays), keep=tensors, grouped=grouped)
-    group = (_group_id(names), len(names)) if grouped and len(names) > 1 else None
+    group = (_group_id(names, view.owner.process_set_id), len(names)) if grouped and len(names) > 1 else None
     entries = [_entry(Kind.ALLREDUCE, a, n, view, handle, i, inplace, op=int(op), prescale=pre,
                       postscale=post, group=group) for i, (a, n) in enumerate(zip(arrays, names))]
     if not entries:
@@ -426,7 +426,7 @@ def _gather_like(kind: Kind, fn: str, tensors: Sequence[Any], name, process_set,
     base = name or _auto_name(f"grouped_{kind.value}" if grouped else kind.value, process_set)
     names = [f"{base}.{i}" for i in range(len(arrays))] if grouped else [base]
     handle = Handle(base, parts=len(arrays), keep=tensors, finish=finish, grouped=grouped)
-    group = (_group_id(names), len(names)) if grouped and len(names) > 1 else None
+    group = (_group_id(names, view.owner.process_set_id), len(names)) if grouped and len(names) > 1 else None
     entries = [_entry(kind, a, n, view, handle, i, group=group, **fields)
                for i, (a, n) in enumerate(zip(arrays, names))]
     if not entries:
@@ -525,8 +525,10 @@ def alltoall_async(tensor: np.ndarray, splits: Optional[Sequence[int]] = None, n
                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start scattering slices of ``tensor``'s first dimension to every rank and gathering theirs.
 
-    ``splits[i]`` rows go to rank ``i`` (equal splits when None; then the first dimension must
-    divide by the set's size). The handle's result is ``(output, received_splits)``.
+    ``splits[i]`` rows go to rank ``i``, from the top; rows past ``sum(splits)`` are not sent
+    (as in Horovod: a buffer padded to a capacity sends only its filled rows). With no splits
+    (None or empty, as Horovod reads an empty list) the first dimension is split evenly and
+    must divide by the set's size. The handle's result is ``(output, received_splits)``.
     """
     fn = "alltoall"
     state, view = _process_set(process_set, fn)
@@ -534,6 +536,8 @@ def alltoall_async(tensor: np.ndarray, splits: Optional[Sequence[int]] = None, n
     if array.ndim == 0:
         raise ValueError(f"{fn}: tensor is 0-d; pass at least a 1-d array.")
     rows = array.shape[0]
+    if splits is not None and not isinstance(splits, (str, bytes)) and np.size(splits) == 0:
+        splits = None
     if splits is None:
         if rows % view.size:
             raise ValueError(f"{fn}: tensor's first dimension ({rows}) does not divide by the number of "
@@ -544,9 +548,11 @@ def alltoall_async(tensor: np.ndarray, splits: Optional[Sequence[int]] = None, n
         if any(isinstance(s, bool) or not isinstance(s, numbers.Integral) for s in splits):
             raise TypeError(f"{fn}: splits must be integers, got {list(splits)!r}.")
         splits = [int(s) for s in splits]
-        if len(splits) != view.size or any(s < 0 for s in splits) or sum(splits) != rows:
-            raise ValueError(f"{fn}: splits must be {view.size} non-negative integers summing to the first "
-                             f"dimension ({rows}), got {splits!r}.")
+        if len(splits) != view.size or any(s < 0 for s in splits) or sum(splits) > rows:
+            raise ValueError(f"{fn}: splits must be {view.size} non-negative integers (one per rank of the "
+                             f"set) summing to at most the first dimension ({rows}), got {splits!r}.")
+        if sum(splits) < rows:
+            array = array[:sum(splits)]
     return _gather_like(Kind.ALLTOALL, fn, [array], name, process_set, False, splits=tuple(splits))
 
 

@@ -10,6 +10,7 @@ import threading
 from typing import Any, Iterable, List, Optional, Sequence, Union
 
 from . import _logging, config as _config
+from .engine.names import AutoNames
 from .exceptions import BackendUnavailableError, LauncherMismatchError, NotInitializedError
 
 __all__ = [
@@ -154,7 +155,7 @@ class _State:
         self.next_ps_id = 1
         self.pending_process_sets = {}  # name of an add_process_set call -> the caller's object
         self.timeline = None
-        self.auto_names = {}  # (kind, process set id) -> counter of unnamed calls (see ops._auto_name)
+        self.auto_names = AutoNames()  # the counts of unnamed calls (see ops._auto_name)
 
 
 _S: Optional[_State] = None
@@ -354,7 +355,8 @@ def init(comm=None, process_sets: Union[None, str, Sequence[ProcessSet]] = None)
                 view.owner._rank = -1
             return None
 
-        state.engine = Engine(state.comm, cfg, state.process_sets, make_process_set, state.timeline)
+        state.engine = Engine(state.comm, cfg, state.process_sets, make_process_set, state.timeline,
+                          state.auto_names)
         _S = state
         if not _atexit_registered:
             atexit.register(shutdown)
@@ -389,6 +391,12 @@ def shutdown() -> None:
             if stopped:  # MPI has a few thousand communicator ids: init/shutdown loops ran out
                 for comm in (state.local_comm, state.cross_comm, state.comm):
                     comm.Free()
+            if state.size == 1:  # Open MPI leaks a singleton's 16 MiB shared-memory segment
+                from mpi4py import MPI
+
+                from . import _faults
+
+                _faults.remove_singleton_segments(MPI.Get_library_version())
 
 
 def is_initialized() -> bool:

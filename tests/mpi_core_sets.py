@@ -86,7 +86,35 @@ if tail.included():
     assert checkpoint.load(path, process_set=tail) == {"from": 1}
 hvddp.remove_process_set(tail)
 
-# 5. copies and pickles: one registered set per process
+# 5. groups with the same member names on two sets at once (two data-parallel groups' optimizers
+# use one fixed group name) are separate groups: a mismatch in one fails only that one, and
+# neither waits for the other (both were keyed by the names alone: the global group failed with
+# the set's error, and same-named groups took ~2 s per step instead of under 1 ms)
+pair = hvddp.add_process_set([0, 1])
+late = None
+if rank < 2:
+    late = hvddp.grouped_allreduce_async([np.ones(2), np.ones(2)], name="g", op=hvddp.Sum)
+    try:  # shapes differ between ranks 0 and 1 on the pair
+        hvddp.grouped_allreduce([np.ones(2 + rank), np.ones(2)], name="g", op=hvddp.Sum, process_set=pair)
+    except hvddp.HvddpError as exc:
+        assert "'g.0': shape differs" in str(exc), exc
+    else:
+        raise AssertionError("a shape mismatch passed")
+else:
+    time.sleep(0.5)  # rank 2 comes late to the global group
+    late = hvddp.grouped_allreduce_async([np.ones(2), np.ones(2)], name="g", op=hvddp.Sum)
+assert [x.tolist() for x in late.wait(timeout=20)] == [[3.0, 3.0]] * 2
+start = time.monotonic()
+for step in range(10):
+    both = [hvddp.grouped_allreduce_async([np.ones(4), np.ones(3)], name="same", op=hvddp.Sum)]
+    if rank < 2:
+        both.append(hvddp.grouped_allreduce_async([np.ones(4), np.ones(3)], name="same", op=hvddp.Sum,
+                                                  process_set=pair))
+    assert [h.wait(timeout=20)[1][0] for h in both] == [3.0, 2.0][:len(both)]
+assert time.monotonic() - start < 5.0, f"10 steps took {time.monotonic() - start:.1f} s"
+hvddp.remove_process_set(pair)
+
+# 6. copies and pickles: one registered set per process
 assert copy.deepcopy(s) is s and copy.copy(s) is s
 assert pickle.loads(pickle.dumps(s)) is s
 assert pickle.loads(pickle.dumps(hvddp.global_process_set)) is hvddp.global_process_set
@@ -98,7 +126,7 @@ unregistered = pickle.loads(pickle.dumps(s))
 assert unregistered is not s and unregistered.ranks == [0, 1] and unregistered.process_set_id is None
 hvddp.shutdown()
 
-# 6. init(process_sets=...) that differs across ranks: ValueError on every rank, not a hang
+# 7. init(process_sets=...) that differs across ranks: ValueError on every rank, not a hang
 mine = [hvddp.ProcessSet([0, 1] if rank == 0 else [0, 2])]
 try:
     hvddp.init(process_sets=mine)

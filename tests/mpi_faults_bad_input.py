@@ -43,7 +43,7 @@ GOOD_NAMES = st.one_of(st.none(), st.text(min_size=1, max_size=12), st.just("λ/
 BAD_NAMES = st.one_of(st.just(""), st.integers(-2, 2), st.just(b"bytes"))
 GOOD_ROOTS = [0, SIZE - 1, np.int64(SIZE - 1)]
 BAD_ROOTS = [-1, SIZE, 1.0, True, "0"]
-GOOD_SPLITS = ["none", "valid", "ndarray"]
+GOOD_SPLITS = ["none", "valid", "ndarray", "prefix", "empty"]
 BAD_SPLITS = ["short", "negative", "float", "badsum"]
 
 
@@ -126,14 +126,16 @@ def layout(array: np.ndarray, how: str):
 
 def splits_for(case: Case, rank: int, rows: int):
     """Rank ``rank``'s alltoall splits for ``case`` (how rows are sent to each rank)."""
-    if case.splits == "none":
-        return None
+    if case.splits in ("none", "empty"):
+        return None if case.splits == "none" else []  # [] means even splits, as in Horovod
     valid = [rows // SIZE] * SIZE
     valid[(rank + 1) % SIZE] += rows - sum(valid)  # uneven: the remainder goes to the next rank
     if case.splits == "valid":
         return valid
     if case.splits == "ndarray":
         return np.array(valid, dtype=np.int64)
+    if case.splits == "prefix":  # rows past sum(splits) stay unsent (Horovod's capacity buffers)
+        return [max(v - 1, 0) for v in valid]
     if case.splits == "short":
         return valid[:-1]
     if case.splits == "negative":
@@ -196,7 +198,7 @@ def problems(case: Case) -> List[tuple]:
         found.append(((TypeError,), ["in-place"]))  # nothing the caller holds could be written
     if case.kind == "alltoall" and case.shape != ():
         rows = case.shape[0]
-        if case.splits == "none" and rows % SIZE:
+        if case.splits in ("none", "empty") and rows % SIZE:
             found.append(((ValueError,), ["splits"]))
         elif case.splits in ("short", "negative", "badsum"):
             found.append(((ValueError,), ["splits"]))
@@ -247,7 +249,7 @@ def expected(case: Case):
         pieces, received = [], []
         for src in range(SIZE):
             s = splits_for(case, src, rows)
-            s = [rows // SIZE] * SIZE if s is None else [int(v) for v in s]
+            s = [rows // SIZE] * SIZE if s is None or len(s) == 0 else [int(v) for v in s]
             offset = sum(s[:RANK])
             pieces.append(values(case.shape, case.dtype, src)[offset:offset + s[RANK]])
             received.append(s[RANK])

@@ -57,6 +57,15 @@ def test_alltoall_with_splits():
     start = sum(splits[:RANK])
     want = np.concatenate([np.arange(start, start + RANK + 1) + 100 * r for r in range(SIZE)])
     np.testing.assert_array_equal(out.numpy(), want)
+    # rows past sum(splits) are not sent (Horovod's capacity buffers); their gradient is zero
+    x = tf.ones([sum(splits) + 2])
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        out, received = hvd.alltoall(x * (RANK + 1), splits=splits, name="t.alltoall.padded")
+        y = tf.reduce_sum(out * tf.repeat(tf.range(1.0, SIZE + 1), RANK + 1))
+    np.testing.assert_array_equal(out.numpy(), np.repeat(np.arange(1.0, SIZE + 1), RANK + 1))
+    np.testing.assert_array_equal(tape.gradient(y, x).numpy(), np.concatenate(
+        [np.full(d + 1, (RANK + 1.0) * (RANK + 1)) for d in range(SIZE)] + [np.zeros(2)]))
 
 
 @pytest.mark.parametrize("mode", ["eager", "function"])

@@ -300,6 +300,18 @@ def test_alltoall_grad():
     weights = torch.cat([torch.full((R + 1,), 10.0 * R + r) for r in range(N)])
     (out * weights).sum().backward()
     assert_equal(x.grad, torch.cat([torch.full((d + 1,), 10.0 * d + R) for d in range(N)]))
+    # a buffer padded past sum(splits) (as Horovod allows): the unsent rows' gradient is zero
+    x = torch.ones(sum(splits) + 2, requires_grad=True)
+    out, received = hvd.alltoall(x * (R + 1), splits=splits, name="grad.a2a.padded")
+    assert_equal(out, torch.cat([torch.full((R + 1,), r + 1.0) for r in range(N)]))
+    (out * weights).sum().backward()
+    assert_equal(x.grad, torch.cat([torch.full((d + 1,), (10.0 * d + R) * (R + 1)) for d in range(N)]
+                                   + [torch.zeros(2)]))
+    # empty splits are even splits (Horovod's reading); a bare int is refused, naming splits
+    out, received = hvd.alltoall(torch.arange(2 * N), splits=[], name="a2a.empty.splits")
+    assert received.tolist() == [2] * N and out.tolist() == [2 * R, 2 * R + 1] * N
+    with pytest.raises(TypeError, match="splits must be a list"):
+        hvd.alltoall(torch.arange(2 * N), splits=2)
 
 
 def test_reducescatter_grad():

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import numbers
 import weakref
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -34,7 +34,6 @@ from hvddp import _grouping
 __all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "alltoall",
            "reducescatter", "grouped_reducescatter", "join"]
 
-_counters: Dict[str, Any] = {}
 _graph_counters: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # outermost graph -> counters
 
 
@@ -48,9 +47,8 @@ def _auto_name(kind: str, process_set: ProcessSet) -> str:
     names, so both differ on a rank that traced or built one more thing than the others.
     """
     tag = kind if process_set is global_process_set else f"{kind}.ps{process_set.process_set_id}"
-    if tf.executing_eagerly():
-        counter = _counters.setdefault((tag, process_set), itertools.count())
-        return f"tf.{tag}.noname.{next(counter)}"
+    if tf.executing_eagerly():  # (the core's counts: a joined rank's move past its peers' calls)
+        return hvddp.runtime._state().auto_names.take(f"tf.{tag}.noname.")
     graph = tf.compat.v1.get_default_graph()
     while isinstance(getattr(graph, "outer_graph", None), FuncGraph):  # out of loop/branch bodies
         graph = graph.outer_graph
@@ -378,10 +376,13 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None, ignore
         out, received = hvddp.alltoall_async(_grouping.wire(x), given, name=name, process_set=process_set).wait()
         return _grouping.unwire(out, x.dtype), np.asarray(received, dtype=np.int32)
 
-    def grad_body(dy, back):
+    def grad_body(dy, back, rows):
         out, _ = hvddp.alltoall_async(dy, [int(v) for v in back], name=name + ".grad",
                                       process_set=process_set).wait()
-        return np.asarray(out, dtype=dy.dtype)
+        out = np.asarray(out, dtype=dy.dtype)
+        if out.shape[0] < rows:  # rows past sum(splits) were not sent: their gradient is zero
+            out = np.concatenate([out, np.zeros((int(rows) - out.shape[0],) + out.shape[1:], out.dtype)])
+        return out
 
     @tf.custom_gradient
     def _op(x):
@@ -390,7 +391,7 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None, ignore
         received.set_shape([size])
 
         def grad(dy, _d_received):
-            g = _py(grad_body, [dy, received], [dy.dtype], "HvddpAlltoallGrad")
+            g = _py(grad_body, [dy, received, tf.shape(x)[0]], [dy.dtype], "HvddpAlltoallGrad")
             g = g[0] if isinstance(g, (list, tuple)) else g
             g.set_shape(x.shape)
             return g

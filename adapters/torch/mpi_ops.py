@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence
 
+import numpy as np
 import torch
 
 import hvddp
@@ -415,6 +416,9 @@ def _splits_list(splits: Any) -> Optional[List[int]]:
         return None
     if isinstance(splits, torch.Tensor):
         return [int(s) for s in splits.reshape(-1).tolist()]
+    if not isinstance(splits, Sequence) and not isinstance(splits, np.ndarray):
+        raise TypeError(f"alltoall: splits must be a list, tuple, array or tensor of ints (rows to send "
+                        f"to each rank), or None; got {type(splits).__name__} {splits!r}.")
     return list(splits)
 
 
@@ -439,15 +443,17 @@ class _Alltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, splits, name, process_set):
         output, received = alltoall_async(tensor, splits, name, process_set).wait()
-        ctx.args = (received, name, process_set)
+        ctx.args = (received, name, process_set, tensor.shape[0])
         ctx.mark_non_differentiable(received)
         return output, received
 
     @staticmethod
     def backward(ctx, grad_output, _grad_splits):
-        received, name, process_set = ctx.args
+        received, name, process_set, rows = ctx.args
         grad, _ = alltoall_async(grad_output.contiguous(), received, _grad_name(name),
                                  process_set).wait()
+        if grad.shape[0] < rows:  # rows past sum(splits) were not sent: their gradient is zero
+            grad = torch.cat([grad, grad.new_zeros((rows - grad.shape[0],) + tuple(grad.shape[1:]))])
         return grad, None, None, None
 
 

@@ -31,6 +31,7 @@ from .coordinator import Coordinator, Decision
 from .executor import Entry, Executor
 from ..handles import defer_wakeups, wake_deferred
 from .messages import Kind
+from .names import AutoNames
 
 log = logging.getLogger("hvddp")
 
@@ -44,7 +45,8 @@ IDLE_WAIT_S = 0.05
 class Engine:
     """Owns the world communicator's duplicate and runs every collective on its thread."""
 
-    def __init__(self, comm: MPI.Comm, config, process_sets, make_process_set, timeline=None) -> None:
+    def __init__(self, comm: MPI.Comm, config, process_sets, make_process_set, timeline=None,
+                 auto_names: Optional[AutoNames] = None) -> None:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
@@ -52,6 +54,7 @@ class Engine:
         self.process_sets = process_sets
         self._make_process_set = make_process_set
         self.timeline = timeline
+        self.auto_names = auto_names or AutoNames()
         self.cache = ResponseCache(config.cache_capacity)
         self.executor = Executor(config, process_sets, timeline)
         self.coordinator = (Coordinator(self.size, process_sets, self.cache, config, timeline)
@@ -344,6 +347,8 @@ class Engine:
             member = ps is not None and ps.rank >= 0
             # (a collective on a set removed since comes back as an error for its submitters)
             entry = self._pending.pop(response.key(), None) if member or ps is None else None
+            if entry is None and member:  # joined: a peer's call, run (or refused) here too
+                self.auto_names.seen(response.name)
             if response.error is not None:
                 if entry is not None:
                     with self._lock:
