@@ -483,7 +483,10 @@ def test_too_many_backward_passes_is_an_error():
         F.mse_loss(model(shard(x)), shard(y)).backward()
     with pytest.raises(RuntimeError, match="more than backward_passes_per_step=2"):
         F.mse_loss(model(shard(x)), shard(y)).backward()
-    opt.synchronize()
+    # autograd added the third pass into the gradient before the hook refused it: that
+    # gradient changed after it went out; synchronize() says so, and leaves a clean state
+    with pytest.raises(hvd.HvddpError, match="modified in place"):
+        opt.synchronize()
     opt.zero_grad()
 
 
@@ -738,3 +741,133 @@ def test_adasum_two_optimizers_groups_added_unfrozen_scheduler_and_passes():
     assert opt1.param_groups[0]["lr"] == 0.05
     opt2.set_backward_passes_per_step(2)
     assert opt2.backward_passes_per_step == 2
+
+
+def _pair(kind="sgd", **kwargs):
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    ref_opt = OPTIMIZERS[kind](ref.parameters())
+    opt = hvd.DistributedOptimizer(OPTIMIZERS[kind](model.parameters()),
+                                   named_parameters=model.named_parameters(), **kwargs)
+    return model, ref, opt, ref_opt
+
+
+def test_a_gradient_changed_before_it_was_averaged_is_an_error_and_the_recipe_works():
+    """DDP-style `backward(); clip_grad_norm_(); step()`: the gradients are in flight (or not yet
+    sent) when clipped, so the update would use a per-rank mix; every rank raises, naming the
+    fix, in both submission modes (before, replicas silently drifted apart by up to 5e-2).
+    Horovod's recipe (synchronize, clip, step in skip_synchronize) matches one process."""
+    model, ref, opt, ref_opt = _pair()
+    x, y = batch(0)
+    shard_loss(model, x, y, R).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    if N > 1:
+        with pytest.raises(hvd.HvddpError, match=r"modified in place .* Call optimizer.synchronize\(\) first"):
+            opt.step()
+    opt.zero_grad()
+    for step in range(3):
+        x, y = batch(step)
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        sum(shard_loss(ref, x, y, s) for s in range(N)).div(N).backward()
+        shard_loss(model, x, y, R).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        opt.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        with opt.skip_synchronize():
+            opt.step()
+        ref_opt.step()
+    assert_parity(model, ref)
+    assert_replicas_identical(model, "clip.recipe")
+
+
+@pytest.mark.parametrize("how", ["scaler.step", "synchronize+unscale_", "unscale_ first"])
+def test_grad_scaler_steps_on_the_average_and_skips_alike(how):
+    """torch.amp.GradScaler: scaler.step(optimizer) unscales and checks for inf/NaN on the
+    averaged gradients, so when one rank overflows every rank skips (before, the plain call
+    unscaled gradients still in flight: 2e2 apart after one step, or NaN on one rank only).
+    scaler.unscale_ before the gradients are averaged is an error naming the fix."""
+    model, ref, opt, ref_opt = _pair()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    scaler, ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8), torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    for step in range(4):
+        x, y = batch(step)
+        if step == 2:  # rank N-1's shard overflows: the average is inf on every rank
+            x = x.clone()
+            x[(N - 1) * B // N] = float("inf")
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        ref_scaler.scale(sum(shard_loss(ref, x, y, s) for s in range(N)).div(N)).backward()
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        scaler.scale(shard_loss(model, x, y, R)).backward()
+        if how == "unscale_ first":
+            scaler.unscale_(opt)
+            if N > 1:
+                with pytest.raises(hvd.HvddpError, match=r"unscale_\(optimizer\) ran before the gradients"):
+                    scaler.step(opt)
+                return
+        if how == "synchronize+unscale_":
+            opt.synchronize()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 100.0)
+            with opt.skip_synchronize():
+                scaler.step(opt)
+        else:
+            scaler.step(opt)
+        scaler.update()
+        assert scaler.get_scale() == ref_scaler.get_scale()
+    assert scaler.get_scale() == 2.0 ** 7  # the overflow halved it, on every rank
+    assert_parity(model, ref)
+    assert_replicas_identical(model, f"scaler.{how}")
+
+
+def test_a_parameter_frozen_after_wrapping_stays_put():
+    """Frozen after wrapping (grad None on every rank): not reduced as zeros, which momentum and
+    weight decay would still turn into steps (it moved 3e-2 over 3 steps before)."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1),
+                                   named_parameters=model.named_parameters(), groups=[[model.fc1.weight, model.fc1.bias]])
+    for step in range(5):
+        if step == 2:
+            model.fc1.requires_grad_(False)
+            frozen = model.fc1.weight.detach().clone()
+        opt.zero_grad()
+        x, y = batch(step)
+        shard_loss(model, x, y, R).backward()
+        opt.step()
+    assert torch.equal(model.fc1.weight, frozen) and model.fc1.weight.grad is None
+    model.fc1.requires_grad_(True)  # and it trains again
+    opt.zero_grad()
+    shard_loss(model, *batch(9), R).backward()
+    opt.step()
+    assert not torch.equal(model.fc1.weight, frozen)
+    assert_replicas_identical(model, "frozen.after")
+
+
+def test_calls_on_the_wrapped_optimizer_after_wrapping_reach_the_wrapper():
+    """The wrapped optimizer's add_param_group (its parameters are averaged too: replicas drifted
+    1e-1 apart before) and load_state_dict (the wrapper kept the old lr and state)."""
+    torch.manual_seed(0)
+    model, extra = Net(), torch.nn.Linear(3, 3)
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    base.add_param_group({"params": extra.parameters(), "lr": 0.05})
+    torch.manual_seed(R)  # extra starts apart on every rank; averaging alone cannot join it
+    hvd.broadcast_parameters(extra.state_dict(), root_rank=0)
+    for step in range(3):
+        opt.zero_grad()
+        x, y = batch(step)
+        F.mse_loss(extra(model(shard(x))), shard(y)).backward()
+        opt.step()
+    assert_replicas_identical(extra, "base.add_param_group")
+    state = copy.deepcopy(base.state_dict())
+    state["param_groups"][0]["lr"] = 0.01
+    base.load_state_dict(state)
+    assert opt.param_groups is base.param_groups and opt.state is base.state
+    assert opt.param_groups[0]["lr"] == 0.01
+    import io
+    with pytest.raises(TypeError, match="cannot be pickled.*Save optimizer.state_dict"):
+        torch.save(opt, io.BytesIO())

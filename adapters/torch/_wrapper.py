@@ -17,7 +17,11 @@ def load_in_place(optimizer: torch.optim.Optimizer, state_dict: dict, load: Call
     new ones, which would cut off whatever shares the old (a DistributedOptimizer and the
     optimizer it wraps, an LR scheduler holding either)."""
     groups, state = optimizer.param_groups, optimizer.state
-    load(state_dict)
+    optimizer.__dict__["_hvddp_loading"] = True  # (a follower's load hook waits for the end)
+    try:
+        load(state_dict)
+    finally:
+        optimizer.__dict__.pop("_hvddp_loading", None)
     if optimizer.param_groups is not groups:
         for old, new in zip(groups, optimizer.param_groups):
             old.clear()
@@ -52,6 +56,12 @@ def remove_hooks(handles: list) -> None:
         handle.remove()
 
 
+def _wrapped_class(wrapper) -> type:
+    """The torch optimizer class a DistributedOptimizer's class was made around."""
+    return next(c for c in type(wrapper).__mro__ if issubclass(c, torch.optim.Optimizer)
+                and not issubclass(c, WrapperCommon))
+
+
 class WrapperCommon:
     """Base of both mixins; each sets ``_hvddp_bpps`` and defines ``set_backward_passes_per_step``."""
 
@@ -81,6 +91,24 @@ class WrapperCommon:
                 self._hvddp_names[p] = f"noname.{gi}.{j}"
                 self._hvddp_added(p)
 
+    def _hvddp_follow_wrapped(self) -> None:
+        """Catch up with calls made on the wrapped optimizer after wrapping: its
+        ``load_state_dict`` (torch's makes new ``param_groups`` and ``state``, which this one would
+        no longer share) and its ``add_param_group`` (parameters nothing would average)."""
+        wrapped = getattr(self, "_hvddp_wrapped", None)
+        wrapped = wrapped() if wrapped is not None else None
+        if wrapped is not None and (wrapped.param_groups is not self.param_groups
+                                    or wrapped.state is not self.state):
+            self.param_groups, self.state = wrapped.param_groups, wrapped.state
+        count = sum(len(group["params"]) for group in self.param_groups)
+        if count != getattr(self, "_hvddp_count", count):
+            for gi, group in enumerate(self.param_groups):
+                for j, p in enumerate(group["params"]):
+                    if p not in self._hvddp_names:
+                        self._hvddp_names[p] = f"noname.{gi}.{j}"
+                        self._hvddp_added(p)
+        self._hvddp_count = count
+
     def _hvddp_added(self, p) -> None:
         """A parameter of a group added after set-up: tracked if it trains, else kept for later."""
         if p.requires_grad:
@@ -109,6 +137,12 @@ class WrapperCommon:
         wrapped = wrapped() if wrapped is not None else None
         if wrapped is not None:  # an LR scheduler made on it checks that it stepped (torch >= 2.2)
             wrapped._opt_called = True
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(f"a distributed {type(self).__name__} cannot be pickled (torch.save of the "
+                        f"optimizer object): its class is made at run time around "
+                        f"{_wrapped_class(self).__name__} and it holds autograd hooks. Save "
+                        f"optimizer.state_dict() instead, and load it into a new DistributedOptimizer.")
 
     def __deepcopy__(self, memo):
         raise TypeError(f"a distributed {type(self).__name__} cannot be deep-copied: it is tied to its "

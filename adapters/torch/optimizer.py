@@ -38,6 +38,10 @@ from hvddp.ops import _op as _check_op
 from ._convert import as_numpy
 from ._sparse import sparse_rows_async
 from ._wrapper import WrapperCommon, check_passes, remove_hooks, weak_hook
+
+# GradScaler warns custom optimizers that take its grad_scaler argument (this one does) of a
+# future change; the warning is for the optimizer's author, and would reach every user's log.
+warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
 from .adasum import _DistributedAdasumOptimizer, check_adasum_set
 from .compression import Compression, Compressor
 from .mpi_ops import allreduce_async_, grouped_allreduce_async_
@@ -97,19 +101,34 @@ def _split_list(items: list, n: int) -> List[list]:
     return [items[i * d + min(i, r):(i + 1) * d + min(i + 1, r)] for i in range(n)]
 
 
+_MODIFIED_IN_FLIGHT = (
+    "the gradient of {name!r} was modified in place (e.g. by clip_grad_norm_) after backward() and "
+    "before it was averaged across ranks: the update would use the local gradient, or a mix of it "
+    "and the average that differs between ranks. Call optimizer.synchronize() first, then modify "
+    "the gradients, then call optimizer.step() inside `with optimizer.skip_synchronize():` "
+    "(Horovod's recipe); a torch.amp.GradScaler does this itself in scaler.step(optimizer), "
+    "also after scaler.unscale_(optimizer) if optimizer.synchronize() came first.")
+
+
 class _Flight:
     """One submitted reduction (a parameter, or a group of them) and how to finish it."""
 
-    __slots__ = ("handle", "items", "grouped")
+    __slots__ = ("handle", "items", "grouped", "watch")
 
     def __init__(self, handle, items: Optional[List[Tuple[torch.Tensor, torch.Tensor, Any, bool]]],
-                 grouped: bool = False) -> None:
+                 grouped: bool = False, watch: Sequence[Tuple[str, torch.Tensor]] = ()) -> None:
         self.handle = handle
         self.items = items  # (param, tensor sent, compression ctx, sparse); None: in place on p.grad
         self.grouped = grouped
+        # (name, gradient) reduced in place in the gradient's memory, with its version then
+        self.watch = [(name, t, t._version) for name, t in watch]
 
     def finish(self, compression: Compressor) -> None:
+        # (looked at before the wait: an in-place op of the adapter counts a version at its end)
+        modified = [name for name, t, version in self.watch if t._version != version]
         result = self.handle.wait()
+        if modified:
+            raise HvddpError(_MODIFIED_IN_FLIGHT.format(name=modified[0]))
         if self.items is None:
             return
         for (p, sent, ctx, sparse), out in zip(self.items, result if self.grouped else [result]):
@@ -160,6 +179,7 @@ class _DistributedOptimizer(WrapperCommon):
             raise TypeError(f"`process_set` must be an hvddp.ProcessSet, got {type(process_set).__name__}.")
 
         params = [p for group in self.param_groups for p in group["params"]]
+        self._hvddp_count = len(params)  # (see _hvddp_follow_wrapped)
         self._hvddp_names = parameter_names(self.param_groups, named_parameters)
         index = next(_instances.setdefault(process_set, itertools.count()))
         self._hvddp_prefix = "grad." if index == 0 else f"grad{index}."
@@ -189,6 +209,7 @@ class _DistributedOptimizer(WrapperCommon):
         self._hvddp_submitted: set = set()
         self._hvddp_group_ready: Dict[int, set] = {}
         self._hvddp_flights: List[_Flight] = []
+        self._hvddp_versions: Dict[torch.Tensor, int] = {}  # deferred gradients' versions at their hook
         self._hvddp_synchronized = False
         self._hvddp_should_synchronize = True
         self._hvddp_hooks = []
@@ -244,12 +265,16 @@ class _DistributedOptimizer(WrapperCommon):
                 f"the gradient of {self._hvddp_names[p]!r} was accumulated more than "
                 f"backward_passes_per_step={self._hvddp_bpps} times before step() (or synchronize()). "
                 f"Increase backward_passes_per_step to accumulate gradients locally, or call step() "
-                f"after each {self._hvddp_bpps} backward pass(es).")
+                f"after each {self._hvddp_bpps} backward pass(es). (Within a single backward pass: "
+                f"a parameter used inside and outside a reentrant torch.utils.checkpoint gets two "
+                f"gradient accumulations; pass use_reentrant=False to checkpoint.)")
         delay -= 1
         self._hvddp_delay[p] = delay
         self._hvddp_touched.add(p)
         if delay or (self._hvddp_defer_cpu and p.device.type == "cpu"):
-            return  # (deferred: synchronize() submits it with the rest)
+            if not delay and p.grad is not None:  # deferred: synchronize() submits it with the rest,
+                self._hvddp_versions[p] = p.grad._version  # and checks that nothing changed it
+            return
         gi = self._hvddp_group_of.get(p)
         if gi is None:
             self._hvddp_submit_one(p)
@@ -268,7 +293,7 @@ class _DistributedOptimizer(WrapperCommon):
             handle = hvddp.allreduce_async_(as_numpy(grad), None, self._hvddp_full_names[p],
                                             self._hvddp_op, self._hvddp_pre, self._hvddp_post,
                                             self._hvddp_process_set)
-            self._hvddp_flights.append(_Flight(handle, None))
+            self._hvddp_flights.append(_Flight(handle, None, watch=((self._hvddp_names[p], grad),)))
         else:
             self._hvddp_submit([p], None)
 
@@ -307,7 +332,8 @@ class _DistributedOptimizer(WrapperCommon):
             handle = grouped_allreduce_async_([item[1] for item in dense], None,
                                               f"{self._hvddp_prefix}group.{gi}", self._hvddp_op,
                                               self._hvddp_pre, self._hvddp_post, ps)
-        self._hvddp_flights.append(_Flight(handle, dense, gi is not None))
+        watch = [(self._hvddp_names[p], sent) for p, sent, _, _ in dense if sent is p.grad]  # in place
+        self._hvddp_flights.append(_Flight(handle, dense, gi is not None, watch))
 
     def _hvddp_sparse_flight(self, p: torch.Tensor, grad: Optional[torch.Tensor]) -> _Flight:
         handle = sparse_rows_async(grad, p, self._hvddp_full_names[p], self._hvddp_op,
@@ -360,13 +386,22 @@ class _DistributedOptimizer(WrapperCommon):
         if not self._hvddp_active:
             self._hvddp_synchronized = True
             return
+        self._hvddp_follow_wrapped()
         if self._hvddp_frozen:
             self._hvddp_adopt_unfrozen()
+        modified = [self._hvddp_names[p] for p, v in self._hvddp_versions.items()
+                    if p.grad is not None and p.grad._version != v]
+        self._hvddp_versions.clear()
+        # a parameter frozen since it was wrapped, without a gradient, is left alone as in one
+        # process (zeros would still move it through momentum or weight decay); every rank froze it
+        idle = [p for p in self._hvddp_params if p.grad is None and not p.requires_grad]
+        idle = set(idle) if idle else ()
         for gi, members in enumerate(self._hvddp_groups):
-            if members[0] not in self._hvddp_submitted:
-                self._hvddp_submit(members, gi)
+            live = [p for p in members if p not in idle] if idle else members
+            if live and live[0] not in self._hvddp_submitted:
+                self._hvddp_submit(live, gi)
         for p in self._hvddp_params:
-            if p not in self._hvddp_submitted and p not in self._hvddp_group_of:
+            if p not in self._hvddp_submitted and p not in self._hvddp_group_of and p not in idle:
                 self._hvddp_submit_one(p)
         flights, self._hvddp_flights = self._hvddp_flights, []
         errors, retries = [], []
@@ -397,6 +432,8 @@ class _DistributedOptimizer(WrapperCommon):
         self._hvddp_synchronized = True
         if errors:
             raise errors[0]
+        if modified:
+            raise HvddpError(_MODIFIED_IN_FLIGHT.format(name=modified[0]))
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -415,12 +452,22 @@ class _DistributedOptimizer(WrapperCommon):
         finally:
             self._hvddp_should_synchronize = True
 
-    def step(self, closure=None):
+    # torch.amp.GradScaler.step(optimizer) hands itself to step() (below) instead of unscaling
+    # and checking for inf/NaN before the gradients are averaged
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None, grad_scaler=None):
         """Wait for the gradient reductions, then run the wrapped optimizer's update.
 
         With a ``closure``, the gradients it computes are averaged before the update uses them.
         After an explicit ``synchronize()`` with no backward since, nothing is reduced twice.
+        Called by ``scaler.step(optimizer)`` (a ``torch.amp.GradScaler``), it averages the
+        gradients, unscales them unless ``scaler.unscale_(optimizer)`` already did, and skips the
+        update if they hold inf or NaN: on every rank alike, since they are the average.
         """
+        self._hvddp_follow_wrapped()
+        if grad_scaler is not None:
+            return self._hvddp_scaled_step(closure, grad_scaler)
         if self._hvddp_active and self._hvddp_should_synchronize:
             if closure is not None:
                 inner = closure
@@ -435,6 +482,30 @@ class _DistributedOptimizer(WrapperCommon):
         loss = super().step(closure)
         self._hvddp_mark_stepped()
         return loss
+
+    def _hvddp_scaled_step(self, closure, scaler):
+        from torch.amp.grad_scaler import OptState
+
+        state = scaler._per_optimizer_states[id(self)]
+        if self._hvddp_active and self._hvddp_should_synchronize and not (
+                self._hvddp_synchronized and not self._hvddp_touched):
+            early = state["stage"] is OptState.UNSCALED  # it read gradients not yet averaged
+            self.synchronize()
+            if early:
+                raise HvddpError(
+                    "scaler.unscale_(optimizer) ran before the gradients were averaged across "
+                    "ranks, so its inf/NaN check and the unscaling saw local (or half-reduced) "
+                    "gradients. Call optimizer.synchronize() before scaler.unscale_(optimizer), "
+                    "then scaler.step(optimizer) inside `with optimizer.skip_synchronize():`.")
+        if state["stage"] is OptState.READY:
+            scaler.unscale_(self)
+        if sum(v.item() for v in state["found_inf_per_device"].values()):
+            return None  # inf/NaN in the average: every rank skips this update
+        should, self._hvddp_should_synchronize = self._hvddp_should_synchronize, False
+        try:
+            return self.step(closure)
+        finally:
+            self._hvddp_should_synchronize = should
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients as the wrapped optimizer does (``set_to_none`` as in torch).
@@ -545,7 +616,22 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         wrapper._hvddp_setup(named_parameters, compression, backward_passes_per_step, op,
                              gradient_predivide_factor, groups, sparse_as_dense, process_set)
     wrapper._hvddp_wrapped = weakref.ref(optimizer)
+    if hasattr(optimizer, "register_load_state_dict_post_hook"):  # torch >= 2.1
+        # the wrapped optimizer's own load_state_dict makes new param_groups and state: share
+        # them at once (the hooks' dict is shared too, so the hook skips the wrapper's own loads)
+        optimizer.register_load_state_dict_post_hook(_follow_hook(wrapper))
     return wrapper
+
+
+def _follow_hook(wrapper):
+    ref = weakref.ref(wrapper)
+
+    def hook(loaded) -> None:
+        follower = ref()
+        if follower is not None and loaded is not follower and not loaded.__dict__.get("_hvddp_loading"):
+            follower._hvddp_follow_wrapped()
+
+    return hook
 
 
 def _check_adasum_arguments(compression, backward_passes_per_step, gradient_predivide_factor, groups,
