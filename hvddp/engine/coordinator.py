@@ -182,7 +182,11 @@ class Coordinator:
                         failed_groups.setdefault(request.group[0], responses[-1].error)
             if self.timeline:
                 self.timeline.negotiate_end(key[1])
-        if failed_groups:
+        if failed_groups:  # a group is atomic: no member runs when one fails
+            for i, response in enumerate(responses):
+                group = response.request.group if response.request is not None else None
+                if response.error is None and group is not None and group[0] in failed_groups:
+                    responses[i] = response._replace(error=failed_groups[group[0]])
             responses += self._fail_rest_of_groups(failed_groups)
         if len(self.joined) == self.world_size:
             responses.append(Response(Kind.JOIN, JOIN_KEY[0], JOIN_KEY[1],
