@@ -703,6 +703,12 @@ def test_adasum_with_adam_keeps_each_ranks_state_and_identical_replicas():
     with pytest.raises(hvd.HvddpError, match="skip_synchronize"):
         with opt.skip_synchronize():
             pass
+    # the updates are made during backward from the still-scaled gradients: a GradScaler is refused
+    scaler = torch.amp.GradScaler("cpu")
+    opt.zero_grad()
+    scaler.scale(shard_loss(model, *batch(7), R)).backward()
+    with pytest.raises(TypeError, match="cannot step through a GradScaler"):
+        scaler.step(opt)
 
 
 def test_adasum_needs_a_power_of_two_number_of_ranks():

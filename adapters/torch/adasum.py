@@ -123,8 +123,18 @@ class _DistributedAdasumOptimizer(WrapperCommon):
                          "op=hvd.Average.")
         yield  # pragma: no cover
 
-    def step(self, closure=None):
+    # torch.amp.GradScaler.step(optimizer) hands itself to step(), which refuses it: the updates
+    # are computed during backward from the still-scaled gradients (Horovod's silently were)
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None, grad_scaler=None):
         """Send every update not yet sent, wait, and set each parameter to ``saved + combined``."""
+        if grad_scaler is not None:
+            raise TypeError("DistributedOptimizer(op=Adasum) cannot step through a GradScaler: each "
+                            "parameter's update is computed during backward, from its gradient as "
+                            "it is then (still scaled), before the scaler could unscale it or check "
+                            "it for inf/NaN. Use op=Average with the GradScaler, or train without "
+                            "loss scaling (bfloat16 autocast needs none).")
         if not self._hvddp_active:
             loss = super().step(closure)
             self._hvddp_mark_stepped()
