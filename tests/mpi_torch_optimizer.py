@@ -772,6 +772,12 @@ def test_a_gradient_changed_before_it_was_averaged_is_an_error_and_the_recipe_wo
         with pytest.raises(hvd.HvddpError, match=r"modified in place .* Call optimizer.synchronize\(\) first"):
             opt.step()
     opt.zero_grad()
+    shard_loss(model, x, y, R).backward()
+    model.fc1.weight.grad = model.fc1.weight.grad.clamp(-0.01, 0.01)  # replaced by a local tensor
+    if N > 1:
+        with pytest.raises(hvd.HvddpError, match=r"'fc1.weight' was modified in place or replaced"):
+            opt.step()
+    opt.zero_grad()
     for step in range(3):
         x, y = batch(step)
         ref_opt.zero_grad()

@@ -102,7 +102,7 @@ def _split_list(items: list, n: int) -> List[list]:
 
 
 _MODIFIED_IN_FLIGHT = (
-    "the gradient of {name!r} was modified in place (e.g. by clip_grad_norm_) after backward() and "
+    "the gradient of {name!r} was modified in place or replaced (e.g. by clip_grad_norm_) after backward() and "
     "before it was averaged across ranks: the update would use the local gradient, or a mix of it "
     "and the average that differs between ranks. Call optimizer.synchronize() first, then modify "
     "the gradients, then call optimizer.step() inside `with optimizer.skip_synchronize():` "
@@ -116,16 +116,16 @@ class _Flight:
     __slots__ = ("handle", "items", "grouped", "watch")
 
     def __init__(self, handle, items: Optional[List[Tuple[torch.Tensor, torch.Tensor, Any, bool]]],
-                 grouped: bool = False, watch: Sequence[Tuple[str, torch.Tensor]] = ()) -> None:
+                 grouped: bool = False, watch: Sequence[Tuple[str, torch.Tensor, torch.Tensor]] = ()) -> None:
         self.handle = handle
         self.items = items  # (param, tensor sent, compression ctx, sparse); None: in place on p.grad
         self.grouped = grouped
-        # (name, gradient) reduced in place in the gradient's memory, with its version then
-        self.watch = [(name, t, t._version) for name, t in watch]
+        # (name, parameter, gradient) reduced in the gradient's memory, with its version then
+        self.watch = [(name, p, t, t._version) for name, p, t in watch]
 
     def finish(self, compression: Compressor) -> None:
         # (looked at before the wait: an in-place op of the adapter counts a version at its end)
-        modified = [name for name, t, version in self.watch if t._version != version]
+        modified = [name for name, p, t, version in self.watch if t._version != version or p.grad is not t]
         result = self.handle.wait()
         if modified:
             raise HvddpError(_MODIFIED_IN_FLIGHT.format(name=modified[0]))
@@ -209,7 +209,7 @@ class _DistributedOptimizer(WrapperCommon):
         self._hvddp_submitted: set = set()
         self._hvddp_group_ready: Dict[int, set] = {}
         self._hvddp_flights: List[_Flight] = []
-        self._hvddp_versions: Dict[torch.Tensor, int] = {}  # deferred gradients' versions at their hook
+        self._hvddp_versions: Dict[torch.Tensor, tuple] = {}  # deferred gradients (and versions) at their hook
         self._hvddp_synchronized = False
         self._hvddp_should_synchronize = True
         self._hvddp_hooks = []
@@ -273,7 +273,7 @@ class _DistributedOptimizer(WrapperCommon):
         self._hvddp_touched.add(p)
         if delay or (self._hvddp_defer_cpu and p.device.type == "cpu"):
             if not delay and p.grad is not None:  # deferred: synchronize() submits it with the rest,
-                self._hvddp_versions[p] = p.grad._version  # and checks that nothing changed it
+                self._hvddp_versions[p] = (p.grad, p.grad._version)  # and checks nothing changed it
             return
         gi = self._hvddp_group_of.get(p)
         if gi is None:
@@ -293,7 +293,7 @@ class _DistributedOptimizer(WrapperCommon):
             handle = hvddp.allreduce_async_(as_numpy(grad), None, self._hvddp_full_names[p],
                                             self._hvddp_op, self._hvddp_pre, self._hvddp_post,
                                             self._hvddp_process_set)
-            self._hvddp_flights.append(_Flight(handle, None, watch=((self._hvddp_names[p], grad),)))
+            self._hvddp_flights.append(_Flight(handle, None, watch=((self._hvddp_names[p], p, grad),)))
         else:
             self._hvddp_submit([p], None)
 
@@ -332,7 +332,7 @@ class _DistributedOptimizer(WrapperCommon):
             handle = grouped_allreduce_async_([item[1] for item in dense], None,
                                               f"{self._hvddp_prefix}group.{gi}", self._hvddp_op,
                                               self._hvddp_pre, self._hvddp_post, ps)
-        watch = [(self._hvddp_names[p], sent) for p, sent, _, _ in dense if sent is p.grad]  # in place
+        watch = [(self._hvddp_names[p], p, sent) for p, sent, _, _ in dense if sent is p.grad]  # in place
         self._hvddp_flights.append(_Flight(handle, dense, gi is not None, watch))
 
     def _hvddp_sparse_flight(self, p: torch.Tensor, grad: Optional[torch.Tensor]) -> _Flight:
@@ -389,8 +389,8 @@ class _DistributedOptimizer(WrapperCommon):
         self._hvddp_follow_wrapped()
         if self._hvddp_frozen:
             self._hvddp_adopt_unfrozen()
-        modified = [self._hvddp_names[p] for p, v in self._hvddp_versions.items()
-                    if p.grad is not None and p.grad._version != v]
+        modified = [self._hvddp_names[p] for p, (g, v) in self._hvddp_versions.items()
+                    if p.grad is not g or g._version != v]
         self._hvddp_versions.clear()
         # a parameter frozen since it was wrapped, without a gradient, is left alone as in one
         # process (zeros would still move it through momentum or weight decay); every rank froze it
