@@ -294,12 +294,15 @@ def rank_monitor(command: Sequence[str]) -> int:
 # Status of the ranks after the run --------------------------------------------------------------
 def failed_ranks(directory: str) -> List[int]:
     """The ranks that have failed so far (an uncaught exception, or an abnormal end the rank
-    monitor saw), from their status files; hvddprun checks this while the launcher runs."""
+    monitor saw before the rank finished with hvddp), from their status files; hvddprun checks
+    this while the launcher runs. A non-zero exit after a clean finish is the launcher's call."""
     try:
-        names = os.listdir(directory)
+        names = set(os.listdir(directory))
     except OSError:
         return []
-    return sorted(int(m.group(1)) for m in map(re.compile(r"rank-(\d+)\.(failed|exit)").fullmatch, names) if m)
+    found = (re.fullmatch(r"rank-(\d+)\.(failed|exit)", name) for name in names)
+    return sorted(int(m.group(1)) for m in found
+                  if m and (m.group(2) == "failed" or f"rank-{m.group(1)}.done" not in names))
 
 
 def _read_status(directory: str) -> Dict[str, Dict[int, dict]]:

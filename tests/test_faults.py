@@ -317,3 +317,15 @@ def test_an_open_mpi_singletons_segment_is_unlinked_at_shutdown(tmp_path, monkey
     finally:
         if os.path.exists(segment):
             os.unlink(segment)
+
+
+def test_failed_ranks_are_those_that_failed_before_finishing(tmp_path):
+    """What hvddprun's watch stops the job for: an uncaught exception, or an abnormal end before
+    the rank finished with hvddp (a non-zero exit after a clean finish is left to the launcher)."""
+    from hvddp import _faults
+
+    for name in ("rank-0.start", "rank-0.done", "rank-0.exit", "rank-1.exit", "rank-2.failed",
+                 "rank-2.done", "rank-3.start", ".rank-4.exit.tmp"):
+        (tmp_path / name).write_text("{}")
+    assert _faults.failed_ranks(str(tmp_path)) == [1, 2]
+    assert _faults.failed_ranks(str(tmp_path / "missing")) == []
