@@ -319,8 +319,8 @@ def _read_status(directory: str) -> Dict[str, Dict[int, dict]]:
     return status
 
 
-def report(directory: str, np_: int, returncode: int,
-           stopped_by: Optional[str] = None) -> Tuple[int, List[str]]:
+def report(directory: str, np_: int, returncode: int, stopped_by: Optional[str] = None,
+           monitored: bool = True) -> Tuple[int, List[str]]:
     """Explain a run from the ranks' status files; return the exit code to use and the lines.
 
     Ranks leave files once they called ``hvddp.init()`` (start, done, failed) and, under the rank
@@ -330,7 +330,8 @@ def report(directory: str, np_: int, returncode: int,
     monitor sees it exit. When only such errors are left, the ranks that finished are named as the
     ones that left. A rank that neither failed nor finished makes the run fail even if the
     launcher returned 0. ``stopped_by`` names the signal hvddprun got and passed on, if any: ranks
-    that ended without a word then were stopped, not lost.
+    that ended without a word then were stopped, not lost. ``monitored``: the ranks ran under
+    the rank monitor (hvddprun's default), which records every abnormal end it sees.
     """
     status = _read_status(directory)
     started, done, failed, exits = status["start"], status["done"], status["failed"], status["exit"]
@@ -368,9 +369,14 @@ def report(directory: str, np_: int, returncode: int,
         lines.append("hvddprun: the job was aborted.")
         if vanished:
             lines.append(f"hvddprun: the launcher then stopped {', '.join(f'rank {r}' for r in vanished)}.")
-    elif vanished and returncode != 0:
+    elif vanished and returncode != 0 and not monitored:
         lines.append("hvddprun: no rank finished cleanly (run without the rank monitor, the launcher "
                      "names at most a pid): " + ", ".join(who(r) for r in vanished) + ".")
+    elif vanished and returncode != 0:
+        lines.append("hvddprun: the launcher stopped " + ", ".join(who(r) for r in vanished) + " before "
+                     "it finished, and no rank reported a failure: a rank ended the job outside "
+                     "hvddp (MPI_Abort, or sys.exit(N) under python -m mpi4py, after hvddp shut "
+                     "down); the launcher's own message above names it.")
     if returncode == 0 and len(started) == np_ and (vanished or exits):
         lines.append("hvddprun: the launcher reported success, but not every rank finished; failing "
                      "the job.")

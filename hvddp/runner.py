@@ -479,7 +479,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(shlex.join(cmd))
         return 0
     try:
-        return _run(cmd, status_dir, opts.np)
+        return _run(cmd, status_dir, opts.np, not opts.no_rank_monitor)
     finally:
         shutil.rmtree(status_dir, ignore_errors=True)
 
@@ -497,7 +497,7 @@ _WATCH_S = 0.25  # how often hvddprun looks at the ranks' status while the launc
 _STOP_AFTER_S = 5.0  # how long after a rank failed hvddprun lets the launcher end the job itself
 
 
-def _run(cmd: List[str], status_dir: str, np_: int) -> int:
+def _run(cmd: List[str], status_dir: str, np_: int, monitored: bool = True) -> int:
     full_env = dict(os.environ)
     full_env[_faults.STATUS_DIR_VARIABLE] = status_dir
     try:
@@ -550,7 +550,8 @@ def _run(cmd: List[str], status_dir: str, np_: int) -> int:
             signal.signal(s, handler)
     if returncode < 0:
         returncode = 128 - returncode
-    code, lines = _faults.report(status_dir, np_, returncode, stopped_by[0] if stopped_by else None)
+    code, lines = _faults.report(status_dir, np_, returncode, stopped_by[0] if stopped_by else None,
+                                 monitored)
     for line in lines:
         print(line, file=sys.stderr)
     if code != 0:  # killed ranks leave their MPI shared memory behind on this node

@@ -160,6 +160,26 @@ def test_uncaught_exception_under_hvddprun_names_the_rank():
     assert elapsed < 10, f"took {elapsed:.1f} s\n{out}"
 
 
+def test_report_of_a_job_ended_outside_hvddp_does_not_blame_a_missing_monitor(tmp_path):
+    """Rank 1 shut hvddp down and then aborted the job (sys.exit(3) under python -m mpi4py):
+    rank 0 was stopped with nothing recorded. With the rank monitor running, hvddprun said to run
+    with the monitor; now it says what happened."""
+    from hvddp import _faults
+
+    for name, payload in {"rank-0.start": {"rank": 0, "pid": 100, "host": "a"},
+                          "rank-1.start": {"rank": 1, "pid": 101, "host": "a"},
+                          "rank-1.done": {"rank": 1}}.items():
+        (tmp_path / name).write_text(json.dumps(payload))
+    code, lines = _faults.report(str(tmp_path), 2, 3)
+    assert code == 3 and lines == [
+        "hvddprun: the launcher stopped rank 0 (pid 100 on a) before it finished, and no rank reported a "
+        "failure: a rank ended the job outside hvddp (MPI_Abort, or sys.exit(N) under python -m mpi4py, "
+        "after hvddp shut down); the launcher's own message above names it."], lines
+    code, lines = _faults.report(str(tmp_path), 2, 3, monitored=False)
+    assert lines == ["hvddprun: no rank finished cleanly (run without the rank monitor, the launcher names "
+                     "at most a pid): rank 0 (pid 100 on a)."], lines
+
+
 def test_report_puts_a_peer_shutdown_after_the_rank_that_left(tmp_path):
     """A rank left (exit 2) and its peer then raised ShutdownError, recorded earlier by the clock
     (the leaving rank announces its shutdown before its monitor sees it exit): the rank that left
