@@ -432,10 +432,13 @@ def remove_leaked_shm(since: float, directory: str = "/dev/shm") -> List[str]:
         return []
     time.sleep(0.2)  # let a segment that is being created get mapped by its creator
     busy = _mapped_files()
+    return _unlink([path for path in candidates if path not in busy])
+
+
+def _unlink(paths) -> List[str]:
+    """Unlink ``paths``; return those removed (one gone meanwhile, or not ours, is skipped)."""
     removed = []
-    for path in candidates:
-        if path in busy:
-            continue
+    for path in paths:
         try:
             os.unlink(path)
             removed.append(path)
@@ -457,19 +460,12 @@ def remove_singleton_segments(library: str, maps: str = "/proc/self/maps") -> Li
     """
     if "open mpi" not in library.lower() or any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK")):
         return []
-    removed = []
     try:
         with open(maps) as f:
             paths = {line.split()[-1] for line in f if "/dev/shm/sm_segment." in line}
     except OSError:
         return []
-    for path in sorted(paths):
-        try:
-            os.unlink(path)
-            removed.append(path)
-        except OSError:
-            continue
-    return removed
+    return _unlink(sorted(paths))
 
 
 if __name__ == "__main__":  # the rank monitor: python hvddp/_faults.py --rank-monitor -- cmd...

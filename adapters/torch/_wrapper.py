@@ -85,8 +85,11 @@ class WrapperCommon:
         super().add_param_group(param_group)
         if not hasattr(self, "_hvddp_names"):
             return  # called from the wrapped class's __init__, before set-up
-        gi = len(self.param_groups) - 1
-        for j, p in enumerate(self.param_groups[-1]["params"]):
+        self._hvddp_adopt_group(len(self.param_groups) - 1)
+
+    def _hvddp_adopt_group(self, gi: int) -> None:
+        """Name and take on the parameters of ``param_groups[gi]`` not seen before."""
+        for j, p in enumerate(self.param_groups[gi]["params"]):
             if p not in self._hvddp_names:
                 self._hvddp_names[p] = f"noname.{gi}.{j}"
                 self._hvddp_added(p)
@@ -101,13 +104,10 @@ class WrapperCommon:
                                     or wrapped.state is not self.state):
             self.param_groups, self.state = wrapped.param_groups, wrapped.state
         count = sum(len(group["params"]) for group in self.param_groups)
-        if count != getattr(self, "_hvddp_count", count):
-            for gi, group in enumerate(self.param_groups):
-                for j, p in enumerate(group["params"]):
-                    if p not in self._hvddp_names:
-                        self._hvddp_names[p] = f"noname.{gi}.{j}"
-                        self._hvddp_added(p)
-        self._hvddp_count = count
+        if count != self._hvddp_count:
+            for gi in range(len(self.param_groups)):
+                self._hvddp_adopt_group(gi)
+            self._hvddp_count = count
 
     def _hvddp_added(self, p) -> None:
         """A parameter of a group added after set-up: tracked if it trains, else kept for later."""

@@ -38,13 +38,13 @@ from hvddp.ops import _op as _check_op
 from ._convert import as_numpy
 from ._sparse import sparse_rows_async
 from ._wrapper import WrapperCommon, check_passes, remove_hooks, weak_hook
+from .adasum import _DistributedAdasumOptimizer, check_adasum_set
+from .compression import Compression, Compressor
+from .mpi_ops import allreduce_async_, grouped_allreduce_async_
 
 # GradScaler warns custom optimizers that take its grad_scaler argument (this one does) of a
 # future change; the warning is for the optimizer's author, and would reach every user's log.
 warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
-from .adasum import _DistributedAdasumOptimizer, check_adasum_set
-from .compression import Compression, Compressor
-from .mpi_ops import allreduce_async_, grouped_allreduce_async_
 
 __all__ = ["DistributedOptimizer"]
 
@@ -383,10 +383,14 @@ class _DistributedOptimizer(WrapperCommon):
         Raises:
             hvddp.HvddpError: a reduction failed (on every rank alike), e.g. shapes differ.
         """
+        self._hvddp_follow_wrapped()
+        self._hvddp_synchronize()
+
+    def _hvddp_synchronize(self) -> None:
+        """``synchronize()`` once caught up with the wrapped optimizer (``step()`` did that)."""
         if not self._hvddp_active:
             self._hvddp_synchronized = True
             return
-        self._hvddp_follow_wrapped()
         if self._hvddp_frozen:
             self._hvddp_adopt_unfrozen()
         modified = [self._hvddp_names[p] for p, (g, v) in self._hvddp_versions.items()
@@ -474,23 +478,26 @@ class _DistributedOptimizer(WrapperCommon):
 
                 def closure():
                     loss = inner()
-                    self.synchronize()
+                    self._hvddp_synchronize()
                     return loss
-            elif not (self._hvddp_synchronized and not self._hvddp_touched):
-                self.synchronize()
+            elif self._hvddp_unsynchronized():
+                self._hvddp_synchronize()
         self._hvddp_synchronized = False
         loss = super().step(closure)
         self._hvddp_mark_stepped()
         return loss
 
+    def _hvddp_unsynchronized(self) -> bool:
+        """A backward ran since the last synchronize() (or none was called since the last step)."""
+        return not (self._hvddp_synchronized and not self._hvddp_touched)
+
     def _hvddp_scaled_step(self, closure, scaler):
         from torch.amp.grad_scaler import OptState
 
         state = scaler._per_optimizer_states[id(self)]
-        if self._hvddp_active and self._hvddp_should_synchronize and not (
-                self._hvddp_synchronized and not self._hvddp_touched):
+        if self._hvddp_active and self._hvddp_should_synchronize and self._hvddp_unsynchronized():
             early = state["stage"] is OptState.UNSCALED  # it read gradients not yet averaged
-            self.synchronize()
+            self._hvddp_synchronize()
             if early:
                 raise HvddpError(
                     "scaler.unscale_(optimizer) ran before the gradients were averaged across "
