@@ -859,13 +859,17 @@ def test_a_parameter_frozen_after_wrapping_stays_put():
     assert_replicas_identical(model, "frozen.after")
 
 
-def test_calls_on_the_wrapped_optimizer_after_wrapping_reach_the_wrapper():
+@pytest.mark.parametrize("op", ["Average", "Adasum"])
+def test_calls_on_the_wrapped_optimizer_after_wrapping_reach_the_wrapper(op):
     """The wrapped optimizer's add_param_group (its parameters are averaged too: replicas drifted
-    1e-1 apart before) and load_state_dict (the wrapper kept the old lr and state)."""
+    1e-1 apart before) and load_state_dict (the wrapper kept the old lr and state; with Adasum
+    the load raised AttributeError)."""
+    if op == "Adasum" and not POWER_OF_TWO:
+        pytest.skip("Adasum needs a power-of-two size (refusal tested above)")
     torch.manual_seed(0)
     model, extra = Net(), torch.nn.Linear(3, 3)
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), op=getattr(hvd, op))
     base.add_param_group({"params": extra.parameters(), "lr": 0.05})
     torch.manual_seed(R)  # extra starts apart on every rank; averaging alone cannot join it
     hvd.broadcast_parameters(extra.state_dict(), root_rank=0)

@@ -48,6 +48,7 @@ class _DistributedAdasumOptimizer(WrapperCommon):
         self._hvddp_compression = compression
         self._hvddp_bpps = int(backward_passes_per_step)
         self._hvddp_process_set = process_set
+        self._hvddp_count = sum(len(group["params"]) for group in self.param_groups)
         self._hvddp_params = [p for p in names if p.requires_grad]  # (a dict's keys: no repeats)
         self._hvddp_frozen = [p for p in names if not p.requires_grad]  # adopted once unfrozen
         self._hvddp_delay = {p: self._hvddp_bpps for p in self._hvddp_params}
@@ -135,6 +136,7 @@ class _DistributedAdasumOptimizer(WrapperCommon):
                             "it is then (still scaled), before the scaler could unscale it or check "
                             "it for inf/NaN. Use op=Average with the GradScaler, or train without "
                             "loss scaling (bfloat16 autocast needs none).")
+        self._hvddp_follow_wrapped()
         if not self._hvddp_active:
             loss = super().step(closure)
             self._hvddp_mark_stepped()
