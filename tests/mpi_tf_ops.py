@@ -524,6 +524,50 @@ def test_unnamed_ops_in_a_function_match_when_one_rank_traced_and_built_more():
                                rtol=1e-4, atol=1e-5)
 
 
+def test_unnamed_ops_in_a_nested_function_match_whoever_traced_it_first():
+    """A tf.function called on its own and from another one: TensorFlow caches its trace apart
+    from the caller. Rank 0 traces it alone first (an export signature, or an eval batch of
+    another shape); its unnamed allreduce was named after the outer function on rank 1 and after
+    the inner one on rank 0, and the job hung."""
+
+    @tf.function
+    def global_sum(x):
+        return hvd.allreduce(tf.reduce_sum(x, axis=0), op=hvd.Sum)
+
+    @tf.function
+    def train_step(x):
+        return global_sum(x * 2.0)
+
+    if RANK == 0:
+        global_sum.get_concrete_function(tf.TensorSpec([3, 2], tf.float32))
+    for rows in (4, 3):
+        np.testing.assert_allclose(train_step(tf.ones([rows, 2])).numpy(), [2.0 * rows * SIZE] * 2)
+        np.testing.assert_allclose(global_sum(tf.ones([rows, 2])).numpy(), [1.0 * rows * SIZE] * 2)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_gradient_through_the_tapes_reduction(mode):
+    """A gradient penalty: the outer tape differentiates the averaged gradient, through the
+    reduction's own gradient (Horovod's tape ops have one); it was silently None."""
+    wrap = (lambda f: f) if mode == "eager" else tf.function
+    x = tf.Variable([1.0, 2.0])
+
+    @wrap
+    def penalty_gradient():
+        with tf.GradientTape() as outer:
+            with tf.GradientTape() as inner:
+                loss = tf.reduce_sum(x ** 3) * (RANK + 1)
+            g = hvd.DistributedGradientTape(inner).gradient(loss, [x])[0]  # 3x^2 * mean(r + 1)
+            penalty = tf.reduce_sum(g * g)
+        return g, outer.gradient(penalty, [x])[0]
+
+    g, gg = penalty_gradient()
+    c = (SIZE + 1) / 2  # mean over ranks of (r + 1)
+    np.testing.assert_allclose(g.numpy(), 3 * c * np.array([1.0, 4.0]), rtol=1e-6)
+    # d/dx of sum(g^2): 2g, averaged back across ranks (still 2g), times d(3x^2 (R+1))/dx
+    np.testing.assert_allclose(gg.numpy(), 36 * c * (RANK + 1) * np.array([1.0, 8.0]), rtol=1e-6)
+
+
 def test_sync_batch_normalization_large_mean_and_config_round_trip():
     """A channel with a large mean and a small spread keeps its variance (two passes), and a
     layer rebuilt from its config syncs over the same process set."""

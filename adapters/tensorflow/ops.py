@@ -25,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework.func_graph import FuncGraph
 from tensorflow.python.ops import control_flow_util
+from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
 
 import hvddp
 from hvddp import Compression, ProcessSet, global_process_set
@@ -41,16 +42,20 @@ def _auto_name(kind: str, process_set: ProcessSet) -> str:
     """The name of an unnamed collective: the same on every rank that runs the same program.
 
     Counted per process set (calls only a set's members make must not shift other sets' names).
-    Eagerly, by one counter per process; in a traced function, by a counter of the outermost
-    function being traced, under that function's name. Not by TensorFlow's own names: a loop
-    or branch body is named with a process-wide counter, and name scopes carry Keras layer
-    names, so both differ on a rank that traced or built one more thing than the others.
+    Eagerly, by one counter per process; in a traced function, by a counter of the innermost
+    ``tf.function`` being traced (out of loop and branch bodies, not out of a nested function),
+    under that function's name. Not by TensorFlow's own names: a loop or branch body is named
+    with a process-wide counter, and name scopes carry Keras layer names, so both differ on a
+    rank that traced or built one more thing than the others. Not by the outermost function's:
+    a nested function's trace is cached apart from its caller, so a rank that first traced it
+    alone (or inside another function) would reuse names its peers never submit.
     """
     tag = kind if process_set is global_process_set else f"{kind}.ps{process_set.process_set_id}"
     if tf.executing_eagerly():  # (the core's counts: a joined rank's move past its peers' calls)
         return hvddp.runtime._state().auto_names.take(f"tf.{tag}.noname.")
     graph = tf.compat.v1.get_default_graph()
-    while isinstance(getattr(graph, "outer_graph", None), FuncGraph):  # out of loop/branch bodies
+    while isinstance(graph, ControlFlowFuncGraph) and isinstance(getattr(graph, "outer_graph", None),
+                                                                 FuncGraph):  # out of loop/branch bodies
         graph = graph.outer_graph
     counter = _graph_counters.setdefault(graph, {}).setdefault(tag, itertools.count())
     return f"tf.{tag}.{graph.name}.{next(counter)}"
@@ -244,7 +249,19 @@ def reduce_gradients(grads: Sequence[Any], sources: Sequence[Any], labels: Seque
         return []
     size = _size(process_set)
     red_op, pre, post = _grouping.average_factors(op, gradient_predivide_factor, size)
-    return _grouped_raw(dense, prefix, labels, red_op, pre, post, compression, process_set, counts)
+    if red_op not in (hvddp.Average, hvddp.Sum):
+        return _grouped_raw(dense, prefix, labels, red_op, pre, post, compression, process_set, counts)
+    n = len(dense) - counts
+
+    @tf.custom_gradient
+    def _op(*xs):
+        def grad(*dys):  # (a gradient penalty, say: as grouped_allreduce's, differentiable again)
+            back = reduce_gradients(list(dys[:n]), xs[:n], labels[:n], prefix + ".grad", op,
+                                    gradient_predivide_factor, compression, process_set)
+            return back + [None] * counts
+        return _grouped_raw(list(xs), prefix, labels, red_op, pre, post, compression, process_set, counts), grad
+
+    return list(_op(*dense))
 
 
 def drop_absent(reduced: List[Any], flags: Any, present: List[bool], who: str) -> List[Any]:
