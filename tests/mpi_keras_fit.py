@@ -807,3 +807,104 @@ def test_adasum_fit_step_is_the_adasum_of_the_gradients(local):
             assert np.abs(want - mean).max() > 0.2 * np.abs(mean).max(), (want, mean)
     np.testing.assert_array_equal(got[2], np.ones(3))  # the unused weight: skipped
     assert_replicas_identical(got[:first_local], f"adasum.fit.{local}")
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_float8_scales_are_the_maximum_not_averaged_or_scaled(passes):
+    """float8 training's scales and amax histories get their next value as a "gradient"
+    (overwrite_with_gradient). They are the maximum over ranks (one process's value on the whole
+    batch), not an average; and not multiplied by the passes, which made them drift by 2x per
+    update. Forward scales match one process; gradient scales follow each rank's own gradients
+    (its loss is its shard's mean, size times one process's), and replicas stay identical."""
+    x, y = global_data()
+
+    def build():
+        model = make_model(unused=False)
+        model.quantize("float8")
+        return model
+
+    lr = 0.01 if passes == 1 else 0.0  # (summed passes move the weights apart from Keras' averaged)
+    model = build()
+    initial = model.get_weights()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(lr), backward_passes_per_step=passes),
+                  loss="sparse_categorical_crossentropy")
+    model.fit(shard(x), shard(y), batch_size=GLOBAL_BATCH // SIZE, epochs=1, shuffle=False, verbose=0)
+    reference = build()
+    reference.set_weights(initial)
+    extra = {"gradient_accumulation_steps": passes} if passes > 1 else {}
+    reference.compile(optimizer=keras.optimizers.SGD(lr, **extra), loss="sparse_categorical_crossentropy")
+    reference.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    checked = 0
+    for got, want in zip(model.variables, reference.variables):
+        if "scale" in got.name and "grad" not in got.name:  # inputs_scale, kernel_scale
+            np.testing.assert_allclose(ops.convert_to_numpy(got), ops.convert_to_numpy(want), rtol=1e-5,
+                                       err_msg=got.path)
+            checked += 1
+    assert checked >= 4
+    assert_replicas_identical(model.get_weights(), f"float8.{passes}")
+
+
+def test_exclude_from_weight_decay_survives_wrapping():
+    """get_config leaves out exclude_from_weight_decay: the wrapper's AdamW decayed the biases."""
+    model = make_model(unused=False)
+    start = [w if w.ndim > 1 else np.ones_like(w) for w in model.get_weights()]  # biases not 0
+    model.set_weights(start)
+    plain = keras.optimizers.AdamW(0.1, weight_decay=0.5)
+    plain.exclude_from_weight_decay(var_names=["bias"])
+    opt = hvd.DistributedOptimizer(plain)
+    x, y = global_data()
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+    model.fit(x[:GLOBAL_BATCH], y[:GLOBAL_BATCH], batch_size=GLOBAL_BATCH, verbose=0)  # the same rows everywhere
+    reference = make_model(unused=False)
+    reference.set_weights(start)
+    ref_opt = keras.optimizers.AdamW(0.1, weight_decay=0.5)
+    ref_opt.exclude_from_weight_decay(var_names=["bias"])
+    reference.compile(optimizer=ref_opt, loss="sparse_categorical_crossentropy")
+    reference.fit(x[:GLOBAL_BATCH], y[:GLOBAL_BATCH], batch_size=GLOBAL_BATCH, verbose=0)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_local_variables_refuse_global_clipnorm():
+    """global_clipnorm would take each rank's own local gradients into the norm, so each rank
+    clipped the averaged gradients differently and the shared weights drifted (2e-3 in an epoch)."""
+    model = make_model(unused=False)
+    with pytest.raises(ValueError, match="global_clipnorm=0.5 with local variables.*Use clipnorm"):
+        hvd.PartialDistributedOptimizer(keras.optimizers.SGD(0.1, global_clipnorm=0.5),
+                                        local_layers=model.layers[-1])
+    opt = hvd.PartialDistributedOptimizer(keras.optimizers.SGD(0.1), local_layers=model.layers[-1])
+    opt.global_clipnorm = 0.5  # set afterwards: refused at the step
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+    x, y = global_data()
+    with pytest.raises(ValueError, match="global_clipnorm=0.5 with local variables"):
+        model.fit(shard(x), shard(y), batch_size=GLOBAL_BATCH // SIZE, verbose=0)
+    with pytest.raises(ValueError, match="not their names.*Received: str 'dense'"):
+        hvd.PartialDistributedOptimizer(keras.optimizers.SGD(0.1), local_layers="dense")
+    with pytest.raises(ValueError, match=r"local layers \['late'\] are not built"):
+        hvd.PartialDistributedOptimizer(keras.optimizers.SGD(0.1), local_layers=layers.Dense(2, name="late"))
+
+
+def test_callbacks_on_a_set_leave_ranks_outside_it_alone():
+    """The optimizer trains a rank outside its process set on its own gradients; the callbacks
+    given that set do nothing there (they raised 'not a member' on that rank only)."""
+    members = hvd.add_process_set([0])
+    try:
+        model = make_model(seed=RANK, unused=False)
+        start = model.get_weights()
+        model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.0), process_set=members),
+                      loss="sparse_categorical_crossentropy")
+        x, y = global_data()
+        history = model.fit(shard(x), shard(y), batch_size=GLOBAL_BATCH // SIZE, verbose=0, callbacks=[
+            hvd.callbacks.BroadcastGlobalVariablesCallback(0, process_set=members),
+            hvd.callbacks.MetricAverageCallback(process_set=members)])
+        for got, mine in zip(model.get_weights(), start):  # a one-rank set: nothing to copy from
+            np.testing.assert_array_equal(got, mine)
+        assert np.isfinite(history.history["loss"][0])
+    finally:
+        hvd.remove_process_set(members)
+    with pytest.raises(TypeError, match="multiplier must be a number or a function.*None"):
+        hvd.callbacks.LearningRateScheduleCallback(0.1, None)
+    with pytest.raises(TypeError, match="initial_lr must be a number"):
+        hvd.callbacks.LearningRateScheduleCallback("0.1", 1.0)
+    with pytest.raises(ValueError, match="warmup_epochs must be a positive number.*-1"):
+        hvd.callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=-1)

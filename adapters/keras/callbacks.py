@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import numbers
 from typing import Any, Callable, Optional, Union
 
 import keras
@@ -75,6 +76,9 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         # loaded), or some would broadcast while others reduce their first gradients.
         if self.broadcast_done:
             return
+        if not self.process_set.included():  # trains on its own, as the optimizer does there
+            self.broadcast_done = True
+            return
         built = hvddp.allreduce(np.array([int(bool(self.model.built))], dtype=np.int32), op=hvddp.Min,
                                 name="keras.bcast_cb.built", process_set=self.process_set)
         if int(built[0]):
@@ -120,7 +124,7 @@ class MetricAverageCallback(keras.callbacks.Callback):
         self.process_set = process_set
 
     def on_epoch_end(self, epoch, logs=None):
-        if not logs:
+        if not logs or not self.process_set.included():  # outside the set: this rank's own values
             return
         values = {k: _scalar(v) for k, v in logs.items()}
         handles = [(k, hvddp.allreduce_async(np.asarray(values[k], dtype=np.float64),
@@ -164,14 +168,21 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
                  start_epoch: int = 0, end_epoch: Optional[int] = None, staircase: bool = True,
                  momentum_correction: bool = True, steps_per_epoch: Optional[int] = None, verbose: int = 0):
         super().__init__()
+        who = type(self).__name__
+        if initial_lr is not None and (isinstance(initial_lr, bool) or not isinstance(initial_lr, numbers.Real)):
+            raise TypeError(f"{who}: initial_lr must be a number, or None for the optimizer's rate; "
+                            f"Received: initial_lr={initial_lr!r}.")
         self.initial_lr = initial_lr
         if callable(multiplier):
             self.multiplier = multiplier
             self.staircase = staircase
-        else:
+        elif isinstance(multiplier, numbers.Real) and not isinstance(multiplier, bool):
             value = float(multiplier)
             self.multiplier = lambda epoch: value
             self.staircase = True
+        else:
+            raise TypeError(f"{who}: multiplier must be a number or a function of the epoch; "
+                            f"Received: multiplier={multiplier!r}.")
         self.start_epoch = start_epoch
         self.end_epoch = end_epoch
         self.momentum_correction = momentum_correction
@@ -237,6 +248,9 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     def __init__(self, initial_lr: Optional[float], warmup_epochs: int = 5, momentum_correction: bool = True,
                  steps_per_epoch: Optional[int] = None, verbose: int = 0):
+        if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, numbers.Real) or warmup_epochs <= 0:
+            raise ValueError(f"LearningRateWarmupCallback: warmup_epochs must be a positive number of "
+                             f"epochs; Received: warmup_epochs={warmup_epochs!r}.")
         self.warmup_epochs = warmup_epochs
 
         def multiplier(epoch: float) -> float:

@@ -49,6 +49,37 @@ class _DistributedOptimizerMixin:
 
     def _hvddp_allreduce(self, grads: List[Any], variables: List[Any]) -> List[Any]:
         settings = self._hvddp_settings()
+        if len(grads) == len(variables) and any(_overwritten(v) for v in variables):
+            return self._hvddp_reduce_overwritten(grads, variables, settings)
+        return self._hvddp_allreduce_gradients(grads, variables, settings)
+
+    def _hvddp_reduce_overwritten(self, grads: List[Any], variables: List[Any],
+                                  settings: Dict[str, Any]) -> List[Any]:
+        """Float8 training's scales and amax histories (``overwrite_with_gradient``): their
+        "gradient" is the variable's next value, which Keras assigns (the maximum over
+        accumulated passes). Across ranks that is the maximum too, as one process computes it on
+        the whole batch (a scale grows with the amax it is made from); never averaged, summed or
+        scaled by the passes, which made them drift by the factor every step."""
+        ps = settings["process_set"]
+        which = [i for i, v in enumerate(variables) if _overwritten(v) and grads[i] is not None]
+        chosen = set(which)
+        rest = [i for i in range(len(grads)) if i not in chosen]
+        out = list(grads)
+        if which and ps.included() and ps.size() > 1:
+            maxed = _backend.reduce_gradients([grads[i] for i in which], [variables[i] for i in which],
+                                              [variables[i].path for i in which], "keras.grads.overwrite",
+                                              hvddp.Max, 1.0, 1.0, Compression.none, ps)
+            for i, g in zip(which, maxed):
+                out[i] = g
+        if rest:
+            reduced = self._hvddp_allreduce_gradients([grads[i] for i in rest], [variables[i] for i in rest],
+                                                      settings)
+            for i, g in zip(rest, reduced):
+                out[i] = g
+        return out
+
+    def _hvddp_allreduce_gradients(self, grads: List[Any], variables: List[Any],
+                                   settings: Dict[str, Any]) -> List[Any]:
         ps = settings["process_set"]
         local = [id(v) in settings["local"] for v in variables] if settings["local"] else []
         if not ps.included():  # a rank outside the set trains on its own gradients, as in Horovod
@@ -61,6 +92,7 @@ class _DistributedOptimizerMixin:
             raise ValueError(f"{type(self).__name__}: got {len(grads)} gradients for {len(variables)} "
                              f"variables; pass one gradient per trainable variable.")
         if any(local):  # registered local variables keep this rank's gradient
+            _check_no_global_clipnorm(self)
             return self._hvddp_reduce_shared(grads, variables, local, settings)
         return self._hvddp_reduce(grads, variables, settings)
 
@@ -114,7 +146,9 @@ class _DistributedOptimizerMixin:
 
     def register_local_var(self, var) -> None:
         """Keep ``var``'s gradient on this rank: it is not reduced (Horovod's). It is divided by
-        the process set's size when the optimizer was made with ``scale_local_gradients=True``."""
+        the process set's size when the optimizer was made with ``scale_local_gradients=True``.
+        Not with ``global_clipnorm`` (``ValueError``): see ``_check_no_global_clipnorm``."""
+        _check_no_global_clipnorm(self)
         self._hvddp_settings()["local"][id(var)] = var  # kept alive, so its id stays its own
 
     def apply(self, grads, trainable_variables=None):
@@ -149,6 +183,27 @@ class _DistributedOptimizerMixin:
         if outer is not None:
             _move_reduction_to(outer, self)
         return super().build(var_list)
+
+
+def _check_no_global_clipnorm(optimizer: Any) -> None:
+    """Local variables and ``global_clipnorm`` do not mix: the norm would take in each rank's own
+    local gradients, so each rank would clip the averaged gradients by its own factor and the
+    replicas drift apart (1e-3 after an epoch, silently, in Horovod too). Raised on every rank
+    (they share the configuration) when a local variable is registered and at each step."""
+    clip = getattr(optimizer, "global_clipnorm", None) or getattr(
+        getattr(optimizer, "inner_optimizer", None), "global_clipnorm", None)
+    if clip:
+        raise ValueError(
+            f"{type(optimizer).__name__}: global_clipnorm={clip} with local variables (registered with "
+            f"register_local_var, or PartialDistributedOptimizer's local_layers): the global norm "
+            f"would include each rank's own local gradients, so every rank would clip the averaged "
+            f"gradients by a different factor and the replicas would drift apart. Use clipnorm (per "
+            f"variable) or clipvalue, or no local variables.")
+
+
+def _overwritten(variable: Any) -> bool:
+    """Whether Keras assigns ``variable`` its gradient instead of applying it (float8 scales)."""
+    return bool(getattr(variable, "overwrite_with_gradient", False))
 
 
 class _Member:
@@ -389,11 +444,30 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
         config["name"] = name
     cls = _distributed_class(type(optimizer))
     wrapped = cls.from_config(config)
+    _copy_unconfigured(wrapped, optimizer)
     object.__setattr__(wrapped, "_hvddp", settings)
     if optimizer.built:
         wrapped.build(list(optimizer._trainable_variables))
         _copy_state(wrapped, optimizer)
     return wrapped
+
+
+_UNCONFIGURED = ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern")
+
+
+def _copy_unconfigured(wrapped: Any, optimizer: Any) -> None:
+    """What ``get_config`` leaves out and ``from_config`` cannot restore: the variables and name
+    patterns given to ``exclude_from_weight_decay`` (without them, an AdamW's biases and norms
+    were decayed). A LossScaleOptimizer's inner optimizer's too."""
+    pairs = [(wrapped, optimizer)]
+    if hasattr(wrapped, "inner_optimizer") and hasattr(optimizer, "inner_optimizer"):
+        pairs.append((wrapped.inner_optimizer, optimizer.inner_optimizer))
+    for mine, theirs in pairs:
+        for attribute in _UNCONFIGURED:
+            if attribute in theirs.__dict__:
+                setattr(mine, attribute, theirs.__dict__[attribute])
+        if hasattr(mine, "_exclude_from_weight_decay_cache"):
+            mine._exclude_from_weight_decay_cache = {}
 
 
 def _copy_state(wrapped: Any, optimizer: Any) -> None:
@@ -433,10 +507,21 @@ def local_layer_weights(local_layers: Any, who: str) -> List[Any]:
     """The trainable weights of ``local_layers`` (a Keras layer, a list of them, or None)."""
     if local_layers is None:
         return []
+    if isinstance(local_layers, (str, bytes)) or not (isinstance(local_layers, keras.layers.Layer)
+                                                      or hasattr(local_layers, "__iter__")):
+        raise ValueError(f"{who}: local_layers must be a Keras layer or a list of them (the layer "
+                         f"objects, not their names); Received: {type(local_layers).__name__} "
+                         f"{local_layers!r}.")
     layers = [local_layers] if isinstance(local_layers, keras.layers.Layer) else list(local_layers)
-    bad = [type(layer).__name__ for layer in layers if not isinstance(layer, keras.layers.Layer)]
+    bad = [f"{type(layer).__name__} {layer!r}" for layer in layers if not isinstance(layer, keras.layers.Layer)]
     if bad:
-        raise ValueError(f"{who}: local_layers must be Keras layers; Received: {', '.join(bad)}.")
+        raise ValueError(f"{who}: local_layers must be Keras layers (the layer objects, not their "
+                         f"names); Received: {', '.join(bad)}.")
+    unbuilt = [layer.name for layer in layers if not layer.built]
+    if unbuilt:
+        raise ValueError(f"{who}: local layers {unbuilt} are not built yet, so they have no weights "
+                         f"to keep local; build the model first (call it on a batch, or give it an "
+                         f"Input), then make the optimizer.")
     return [weight for layer in layers for weight in layer.trainable_weights]
 
 
