@@ -160,6 +160,14 @@ def check_adasum_size(process_set: Any, fn: str) -> None:
     _check_adasum_size(process_set.size(), process_set, fn)
 
 
+def check_compression(compression: Any, fn: str) -> Any:
+    """Validate ``compression`` where it is given, not when the first reduction runs."""
+    if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
+        raise TypeError(f"{fn}: compression must be hvddp.Compression.none, .fp16 or .bf16 (or have "
+                        f"compress/decompress); Received: compression={compression!r}.")
+    return compression
+
+
 def check_predivide(op: Any, gradient_predivide_factor: Any, fn: str) -> float:
     """Validate ``gradient_predivide_factor`` (only meaningful with Average)."""
     if isinstance(gradient_predivide_factor, bool) or not isinstance(gradient_predivide_factor, (int, float)):

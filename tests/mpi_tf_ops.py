@@ -650,7 +650,7 @@ def test_partial_tape_keeps_the_local_layers_gradients(mode):
     g = tape.gradient(loss, model.trainable_variables)
     np.testing.assert_allclose(g[0].numpy(), own[0], rtol=1e-6)
     np.testing.assert_allclose(g[1].numpy(), mean[1], rtol=1e-5)
-    with pytest.raises(ValueError, match="local_layers must be Keras layers; Received: str"):
+    with pytest.raises(ValueError, match="local_layers must be Keras layers.*Received: str 'local'"):
         hvd.PartialDistributedGradientTape(tf.GradientTape(), local_layers=["local"])
 
 
@@ -848,3 +848,28 @@ def test_adasum_refusals():
         tape.watch(x)
         y = tf.reduce_sum(hvd.allreduce(x, op=hvd.Adasum, name="t.adasum.nograd"))
     assert tape.gradient(y, x) is None
+
+
+def test_bad_compression_and_a_rank_outside_the_set_are_named_where_they_are_given():
+    """compression="fp16" (a str) failed at the first gradient() with an AttributeError deep in
+    the reduction; broadcast_variables on a rank outside its set named an internal call."""
+    with tf.GradientTape() as tape:
+        pass
+    for make in (lambda: hvd.DistributedGradientTape(tape, compression="fp16"),
+                 lambda: hvd.allreduce(tf.ones([2]), compression="fp16", name="t.badcomp"),
+                 lambda: hvd.grouped_allreduce([tf.ones([2])], compression="fp16", name="t.badcomp.g"),
+                 lambda: hvd.reducescatter(tf.ones([2]), compression="fp16", name="t.badcomp.rs")):
+        with pytest.raises(TypeError, match=r"compression must be hvddp.Compression.none.*Received: compression='fp16'"):
+            make()
+    if SIZE < 2:
+        return
+    first = hvd.add_process_set([0])
+    try:
+        v = tf.Variable([1.0 * RANK])
+        if RANK == 0:
+            hvd.broadcast_variables([v], root_rank=0, process_set=first)
+        else:
+            with pytest.raises(ValueError, match=r"broadcast_variables: this rank \(\d\) is not a member"):
+                hvd.broadcast_variables([v], root_rank=0, process_set=first)
+    finally:
+        hvd.remove_process_set(first)

@@ -356,9 +356,7 @@ def _settings(op, gradient_predivide_factor, compression, process_set, postscale
                              f"the Adasum of the sums, which Horovod takes); Received: op=Adasum with "
                              f"{passes} passes per step (backward_passes_per_step or the optimizer's "
                              f"gradient_accumulation_steps). Use 1, or op=Average.")
-    if not hasattr(compression, "compress") or not hasattr(compression, "decompress"):
-        raise TypeError(f"DistributedOptimizer: compression must be hvddp.Compression.none, .fp16 or .bf16; "
-                        f"Received: compression={compression!r}.")
+    _grouping.check_compression(compression, "DistributedOptimizer")
     settings = _default_settings()
     settings.update(op=op, gradient_predivide_factor=factor, compression=compression, process_set=process_set,
                     postscale=float(postscale))

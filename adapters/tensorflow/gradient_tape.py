@@ -170,6 +170,7 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
         raise ValueError(f"DistributedGradientTape: op must be hvddp.Average, hvddp.Sum or hvddp.Adasum; "
                          f"Received: op={op!r}.")
     factor = _grouping.check_predivide(op, gradient_predivide_factor, "DistributedGradientTape")
+    _grouping.check_compression(compression, "DistributedGradientTape")
     if op is hvddp.Adasum:
         _grouping.check_adasum_size(process_set, "DistributedGradientTape")
     base = type(gradtape)

@@ -153,6 +153,7 @@ def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "
         mean = hvddp.tensorflow.allreduce(tf.constant([1.0 * hvd.rank()]), name="mean_rank")
     """
     op = _grouping.check_op(op, average, "allreduce", adasum=True)
+    _grouping.check_compression(compression, "allreduce")
     pre = float(prescale_factor)
     post = float(postscale_factor)
     tensor = _dense(tensor, "allreduce")
@@ -194,6 +195,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, de
     coefficients per member).
     """
     op = _grouping.check_op(op, average, "grouped_allreduce", adasum=True)
+    _grouping.check_compression(compression, "grouped_allreduce")
     tensors = [_dense(t, "grouped_allreduce") for t in tensors]
     if not tensors:
         return []
@@ -367,6 +369,9 @@ def _check_root(root_rank: Any, process_set: ProcessSet, fn: str) -> None:
     if root_rank not in members:  # a global rank, as in Horovod
         raise ValueError(f"{fn}: root_rank is a global rank (as hvd.rank() numbers them) and must be one "
                          f"of {process_set!r}'s members {members}; Received: root_rank={root_rank}.")
+    if not process_set.included():
+        raise ValueError(f"{fn}: this rank ({hvddp.rank()}) is not a member of {process_set!r}; call it "
+                         f"on the set's members {members} only.")
 
 
 # alltoall, reducescatter ---------------------------------------------------------------------
@@ -427,6 +432,7 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
     around the reduction. The gradient (Average and Sum) is the allgather of the rows'
     gradients, times the size for Sum and the scale factors (Horovod's factors)."""
     op = _grouping.check_op(op, None, "reducescatter")
+    _grouping.check_compression(compression, "reducescatter")
     tensor = _dense(tensor, "reducescatter")
     if tensor.shape.rank == 0:
         raise ValueError("reducescatter: tensor is 0-d; pass at least a 1-d tensor.")
@@ -528,6 +534,7 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compre
     Members are named ``<name>.<i>``; each has ``reducescatter``'s contract and gradient.
     """
     op = _grouping.check_op(op, None, "grouped_reducescatter")
+    _grouping.check_compression(compression, "grouped_reducescatter")
     tensors = _group_inputs(tensors, "grouped_reducescatter")
     if not tensors:
         return []
