@@ -443,7 +443,11 @@ def run_workers(np_, mode, section, timeout=240, extra_env=None):
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra_env or {})
-    cmd = [exe, "-n", str(np_), sys.executable, "-m", "mpi4py", os.path.abspath(__file__), "--worker", mode]
+    from hvddp.runner import _launcher_family  # (reads `mpiexec --version`; loads no MPI here)
+
+    # Open MPI's launcher refuses root and more ranks than cores unless told
+    flags = ["--allow-run-as-root", "--oversubscribe"] if _launcher_family(exe) == "openmpi" else []
+    cmd = [exe, "-n", str(np_), *flags, sys.executable, "-m", "mpi4py", os.path.abspath(__file__), "--worker", mode]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)

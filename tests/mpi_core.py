@@ -64,6 +64,24 @@ def test_allreduce_every_op_and_dtype(op, dtype):
     np.testing.assert_array_equal(y, out)
 
 
+@pytest.mark.parametrize("dtype", ["uint8", "int8", "int16"])
+def test_small_integer_sums_wrap_around_as_numpy(dtype):
+    """An overflowing sum of 8- and 16-bit integers wraps around (numpy's and torch's rule), on
+    every path and MPI library: Open MPI 5's MPI_SUM saturated them from 64 elements on (every
+    sum 255 in uint8), where MPICH and the single-copy path wrapped."""
+    info = np.iinfo(dt(dtype))
+    mine = [np.random.default_rng(100 * r + 1).integers(info.min, info.max, size=4099, endpoint=True)
+            .astype(dt(dtype)) for r in range(N)]
+    want = mine[0].copy()
+    for other in mine[1:]:
+        want += other  # numpy wraps
+    for i, x in enumerate((mine[R], mine[R][:100], mine[R][1:65])):  # one alone, then fused
+        got = hvddp.allreduce(x, op=hvddp.Sum, name=f"wrap.{dtype}.{i}")
+        np.testing.assert_array_equal(got, want[:x.size] if i < 2 else want[1:65])
+    grouped = hvddp.grouped_allreduce([mine[R][:70], mine[R][70:200]], op=hvddp.Sum, name=f"wrap.{dtype}.g")
+    np.testing.assert_array_equal(np.concatenate(grouped), want[:200])
+
+
 def test_bool_allreduce_min_max_and_refused_sum():
     x = np.array([True, R == 0, False, True])
     assert hvddp.allreduce(x, op=hvddp.Min, name="bool.min").tolist() == [True, N == 1, False, True]

@@ -40,19 +40,27 @@ _MPI_OPS = {
 _BOOL_OPS = {ReduceOp.MIN: MPI.LAND, ReduceOp.MAX: MPI.LOR}
 
 
-def _nan_propagating(ufunc) -> MPI.Op:
-    """An MPI op reducing floats with numpy's ``minimum``/``maximum``: NaN wins, as it does on
-    the single-copy path and in numpy and torch. MPI's own MIN/MAX compare with ``<``, so
-    whether a NaN survived depended on its rank and on the algorithm MPI chose for the size."""
+def _numpy_op(ufunc, types) -> MPI.Op:
+    """An MPI op that reduces with a numpy ufunc; ``types``: (MPI datatype, numpy dtype) pairs."""
     def reduce(inbuf, inoutbuf, datatype) -> None:
-        dtype = np.float64 if datatype == MPI.DOUBLE else np.float32
+        dtype = next(d for t, d in types if datatype == t)
         ufunc(np.frombuffer(inbuf, dtype=dtype), np.frombuffer(inoutbuf, dtype=dtype),
               out=np.frombuffer(inoutbuf, dtype=dtype))
 
     return MPI.Op.Create(reduce, commute=True)
 
 
-_FLOAT_OPS = {ReduceOp.MIN: _nan_propagating(np.minimum), ReduceOp.MAX: _nan_propagating(np.maximum)}
+# Float Min/Max with numpy's ``minimum``/``maximum``: NaN wins, as it does on the single-copy path
+# and in numpy and torch. MPI's own MIN/MAX compare with ``<``, so whether a NaN survived
+# depended on its rank and on the algorithm MPI chose for the size.
+_FLOATS = ((MPI.DOUBLE, np.float64), (MPI.FLOAT, np.float32))
+_FLOAT_OPS = {ReduceOp.MIN: _numpy_op(np.minimum, _FLOATS), ReduceOp.MAX: _numpy_op(np.maximum, _FLOATS)}
+# Sums of 8- and 16-bit integers with numpy's ``add``, which wraps around on overflow as the
+# single-copy path, numpy and torch do. Open MPI 5's vectorized MPI_SUM saturates them instead
+# (255 + 1 = 255 in uint8, from 64 elements on), so an overflowing sum depended on the MPI
+# library and on the array's length.
+_SMALL_INTS = ((MPI.INT8_T, np.int8), (MPI.UINT8_T, np.uint8), (MPI.INT16_T, np.int16))
+_SMALL_INT_SUM = _numpy_op(np.add, _SMALL_INTS)
 
 SPIN_S = 50e-6  # short waits: keep testing, a peer is usually about to arrive
 MAX_BACKOFF_S = 200e-6  # long waits: sleep between tests, at most this long (~5% of a core)
@@ -66,6 +74,9 @@ def mpi_op(op: int, dtype) -> MPI.Op:
         return _BOOL_OPS[op]
     if (kind == "f" or dtype in ("float32", "float64")) and op in _FLOAT_OPS:
         return _FLOAT_OPS[op]
+    if op in (ReduceOp.SUM, ReduceOp.AVERAGE) and (dtype in ("int8", "uint8", "int16") or (
+            kind in "iu" and kind and getattr(dtype, "itemsize", 8) < 4)):
+        return _SMALL_INT_SUM
     return _MPI_OPS[op]
 
 
