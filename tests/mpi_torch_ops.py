@@ -389,6 +389,79 @@ def test_sync_batch_norm_half_input_uses_float32_statistics():
     torch.testing.assert_close(out.float(), ref[4 * R:4 * R + 4], rtol=2e-2, atol=2e-2)
 
 
+def test_sync_batch_norm_empty_and_single_value_batches_and_eval_alone():
+    """A step whose global batch is empty leaves the running statistics (they became NaN); one
+    value per channel over all ranks raises on every rank, as BatchNorm; in eval mode without
+    running statistics a rank normalizes alone, as torch's SyncBatchNorm (it waited for the
+    others and hung a rank-0-only evaluation); a wrong channel count is named."""
+    torch.manual_seed(0)
+    sync, ref = hvd.SyncBatchNorm(2), torch.nn.BatchNorm1d(2)
+    full = torch.randn(4 * N, 2) + 3
+    ref(full)
+    sync(full[4 * R:4 * R + 4])
+    sync(torch.randn(0, 2))
+    ref(torch.randn(0, 2))
+    torch.testing.assert_close(sync.running_mean, ref.running_mean)
+    torch.testing.assert_close(sync.running_var, ref.running_var)
+    assert torch.isfinite(sync.running_var).all()
+    one = torch.randn(1 if R == 0 else 0, 2)
+    with pytest.raises(ValueError, match="expected more than 1 value per channel"):
+        sync(one)
+    free = hvd.SyncBatchNorm(2, track_running_stats=False).eval()
+    if R == 0:  # the others never run it
+        x = torch.randn(5, 2)
+        torch.testing.assert_close(free(x), torch.nn.BatchNorm1d(2, track_running_stats=False)(x))
+    with pytest.raises(ValueError, match=r"SyncBatchNorm\(2\) got an input with 5 channels"):
+        sync(torch.randn(3, 5))
+    hvd.barrier()
+
+
+def test_broadcasts_refuse_other_models_on_every_rank():
+    """A rank with one more layer: broadcast_parameters returned on the root and hung the rank;
+    broadcast_optimizer_state gave a rank state of the root's shapes (it failed alone at step)."""
+    if N < 2:
+        pytest.skip("needs two ranks")
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(2, 2)] + ([torch.nn.Linear(2, 2)] if R == 1 else [])
+    model = torch.nn.Sequential(*layers)
+    with pytest.raises(ValueError, match=r"broadcast_parameters: ranks \[1\] differ from the root rank 0: the "
+                                         r"tensors .* only rank 1 has \[\('1.bias'"):
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    shaped = torch.nn.Linear(2 if R == 0 else 3, 2)
+    opt = torch.optim.Adam(shaped.parameters())
+    shaped(torch.ones(1, shaped.in_features)).sum().backward()
+    opt.step()
+    with pytest.raises(ValueError, match=r"broadcast_optimizer_state: .* has parameters of shapes \[\[\(2, 2\), "
+                                         r"\(2,\)\]\], but rank 1 has \[\[\(2, 3\), \(2,\)\]\]"):
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+
+
+def test_broadcast_optimizer_state_gives_the_root_the_same_dtypes():
+    """torch's load casts state to the parameter's dtype (NAdam keeps mu_product in float32 for
+    a float64 model until then): the root, which did not load, kept float32 where the others had
+    float64, and the replicas drifted (3e-12 in 50 steps)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2).double()
+    opt = torch.optim.NAdam(model.parameters(), lr=0.01)
+    if R == 0:
+        model(torch.ones(2, 3, dtype=torch.float64)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    kinds = sorted((k, str(v.dtype)) for s in opt.state.values() for k, v in s.items()
+                   if isinstance(v, torch.Tensor))
+    every = hvd.allgather_object(kinds, name="test.bos.dtypes")
+    assert all(k == every[0] for k in every), every
+    for step in range(3):
+        model(torch.full((2, 3), float(step + 1), dtype=torch.float64)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = hvd.allgather(flat[None], name="test.bos.params")
+    assert all(torch.equal(row, gathered[0]) for row in gathered)
+
+
 # broadcast_parameters / broadcast_optimizer_state ----------------------------------------------
 def test_broadcast_parameters_state_dict_and_named():
     torch.manual_seed(R)

@@ -76,11 +76,27 @@ def broadcast_parameters(params: Union[Dict[str, torch.Tensor], Iterable], root_
         root_rank: the rank whose values everyone gets.
         process_set: the ranks taking part.
 
+    Raises:
+        ValueError: the ranks' names, shapes or dtypes differ from the root's (on every rank,
+            naming the first differences).
+
     Example:
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     """
+    named = _named(params)
+    # compared on every rank first: a rank with other tensors would wait forever for broadcasts
+    # the root never makes (one more layer), while the root returned
+    mine = [(name, tuple(t.shape), str(t.dtype).replace("torch.", "")) for name, t in named]
+
+    def tensors(root: list, rank: int, theirs: list) -> str:
+        return (f"the tensors (name, shape, dtype) differ: only the root has "
+                f"{[x for x in root if x not in theirs][:3]}, only rank {rank} has "
+                f"{[x for x in theirs if x not in root][:3]}; every rank must pass the same "
+                f"model's state_dict() or named_parameters()")
+
+    _check_like_the_root(mine, root_rank, process_set, "broadcast_parameters", tensors)
     handles = []
-    for name, tensor in _named(params):
+    for name, tensor in named:
         handles.append(broadcast_async_(tensor.data, root_rank, f"broadcast_parameters.{name}",
                                         process_set))
     errors = []
@@ -125,16 +141,17 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
     skeleton = hvddp.broadcast_object(skeleton, root_rank, "broadcast_optimizer_state.skeleton",
                                       process_set)
     # compared on every rank at once: a rank that raised alone would leave the root's
-    # broadcasts below waiting for it
-    every = hvddp.allgather_object([len(g["params"]) for g in local["param_groups"]],
-                                   "broadcast_optimizer_state.groups", process_set)
-    theirs = [len(g["params"]) for g in skeleton["param_groups"]]
-    ranks = process_set.ranks or list(range(hvddp.size()))
-    differ = {r: sizes for r, sizes in zip(ranks, every) if sizes != theirs}
-    if differ:
-        raise ValueError(f"broadcast_optimizer_state: the root rank {root_rank} has param groups of "
-                         f"sizes {theirs}, but {', '.join(f'rank {r} has {v}' for r, v in differ.items())}; "
-                         f"every rank must build the same optimizer over the same model.")
+    # broadcasts below waiting for it (and one whose parameters have other shapes would get state
+    # of the root's shapes, and fail alone at its next step)
+    shapes = [[tuple(p.shape) for p in g["params"]] for g in optimizer.param_groups]
+
+    def groups(root: list, rank: int, theirs: list) -> str:
+        sizes = [len(g) for g in root], [len(g) for g in theirs]
+        what = (f"param groups of sizes {sizes[0]}, but rank {rank} has {sizes[1]}" if sizes[0] != sizes[1]
+                else f"parameters of shapes {root}, but rank {rank} has {theirs}")
+        return f"the root rank {root_rank} has {what}; every rank must build the same optimizer over the same model"
+
+    _check_like_the_root(shapes, root_rank, process_set, "broadcast_optimizer_state", groups)
     state: Dict[Any, Dict[str, Any]] = {}
     handles = []
     for key in sorted(skeleton["state"], key=str):
@@ -150,9 +167,25 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
         state[key] = entry
     for handle in handles:
         synchronize(handle)
-    if not is_root:  # in place: a wrapper, its wrapped optimizer and schedulers keep sharing
-        load_in_place(optimizer, {"state": state, "param_groups": skeleton["param_groups"]},
-                      optimizer.load_state_dict)
+    # in place: a wrapper, its wrapped optimizer and schedulers keep sharing. The root loads its
+    # own state too: torch's load casts state to its parameter's dtype (NAdam's float32
+    # mu_product on a float64 model), and a root that kept its own dtypes drifted from the rest.
+    load_in_place(optimizer, {"state": state, "param_groups": skeleton["param_groups"]},
+                  optimizer.load_state_dict)
+
+
+def _check_like_the_root(mine: Any, root_rank: int, process_set: ProcessSet, fn: str, describe) -> None:
+    """Raise ``ValueError`` on every rank of ``process_set`` if some rank's ``mine`` is not the
+    root's: ``describe(root's, first other rank, its value)`` says how."""
+    every = hvddp.allgather_object(mine, f"{fn}.check", process_set)
+    ranks = process_set.ranks or list(range(hvddp.size()))
+    if root_rank not in ranks:
+        return  # the broadcast itself names the bad root_rank
+    root = every[ranks.index(root_rank)]
+    differ = [(r, theirs) for r, theirs in zip(ranks, every) if theirs != root]
+    if differ:
+        raise ValueError(f"{fn}: ranks {[r for r, _ in differ]} differ from the root rank {root_rank}: "
+                         f"{describe(root, *differ[0])}.")
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,

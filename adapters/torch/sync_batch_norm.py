@@ -22,7 +22,10 @@ class SyncBatchNorm(_BatchNorm):
     the output, gradients and running statistics of ``BatchNorm`` on B samples in one process.
     Two allreduces per forward (sum, then the sum of squared deviations) and two per backward,
     named after its channel count; every rank must run the layer the same number of times. In eval
-    mode, or with a size-1 ``process_set``, it is plain batch norm.
+    mode, or with a size-1 ``process_set``, it is plain batch norm on this rank's input, as torch's
+    ``SyncBatchNorm`` (without running statistics: this rank's batch statistics), so a rank may
+    evaluate alone. A step whose global batch is empty leaves the running statistics alone, and
+    one with a single value per channel raises ``ValueError`` on every rank, as ``BatchNorm`` does.
 
     Args:
         num_features, eps, momentum, affine, track_running_stats: as ``torch.nn.BatchNorm2d``.
@@ -40,6 +43,10 @@ class SyncBatchNorm(_BatchNorm):
         if input.dim() < 2:
             raise ValueError(f"SyncBatchNorm expects an input of at least 2 dimensions (N, C, ...), "
                              f"got {input.dim()}D.")
+        if input.shape[1] != self.num_features:
+            raise ValueError(f"SyncBatchNorm({self.num_features}) got an input with {input.shape[1]} "
+                             f"channels (shape {tuple(input.shape)}); its dimension 1 must be "
+                             f"num_features={self.num_features}.")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
@@ -53,7 +60,7 @@ class SyncBatchNorm(_BatchNorm):
         running_mean = self.running_mean if track else None
         running_var = self.running_var if track else None
         ps = self.process_set
-        if not bn_training or ps.size() == 1 or not ps.included():
+        if not (bn_training and self.training) or ps.size() == 1 or not ps.included():
             return F.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                 bn_training, factor, self.eps)
         return self._sync_forward(input, running_mean, running_var, factor)
@@ -73,6 +80,13 @@ class SyncBatchNorm(_BatchNorm):
         totals = allreduce(torch.cat([x.sum(dims), count]), op=Sum, name=f"{name}.sum",
                            process_set=self.process_set)
         n = totals[channels].detach()
+        total = float(n)  # the same on every rank: all take the same branch
+        if total == 0:  # nothing anywhere: an empty output, the running statistics left alone
+            return x * self.weight.view(shape) if self.weight is not None else x.clone()
+        if total == 1:
+            raise ValueError(f"SyncBatchNorm: expected more than 1 value per channel when training, "
+                             f"got 1 over all ranks (input size {tuple(x.shape)} on this rank), as "
+                             f"torch's BatchNorm would.")
         mean = totals[:channels] / n
         centered = x - mean.view(shape)
         var = allreduce((centered * centered).sum(dims), op=Sum, name=f"{name}.sqsum",
@@ -82,7 +96,6 @@ class SyncBatchNorm(_BatchNorm):
             y = y * self.weight.view(shape) + self.bias.view(shape)
         if running_mean is not None:
             with torch.no_grad():
-                total = float(n)
                 running_mean.mul_(1 - factor).add_(mean.detach(), alpha=factor)
                 unbiased = var.detach() * (total / max(total - 1, 1.0))
                 running_var.mul_(1 - factor).add_(unbiased, alpha=factor)
