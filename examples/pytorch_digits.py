@@ -109,7 +109,7 @@ def main() -> float:
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
 
     begin = time.perf_counter()
-    accuracy = 0.0
+    accuracy = None
     for epoch in range(start_epoch, args.epochs):
         model.train()
         train_sampler.set_epoch(epoch)
@@ -131,6 +131,8 @@ def main() -> float:
             os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint)), exist_ok=True)
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                         "epoch": epoch + 1}, args.checkpoint)
+    if accuracy is None:  # resumed after the last epoch: nothing to train, the model is tested as it is
+        _, accuracy = evaluate(model, test_loader, test_sampler)
     log.info("ranks %d  test accuracy %.2f%%  training time %.1f s  checkpoint %s", hvd.size(),
              100 * accuracy, time.perf_counter() - begin, args.checkpoint)
     return accuracy

@@ -49,14 +49,15 @@ def _int(minimum: int, maximum: Optional[int] = None) -> Callable[[str], int]:
     return parse
 
 
-def _float(minimum: float) -> Callable[[str], float]:
+def _float(minimum: float, maximum: float = float("inf")) -> Callable[[str], float]:
     def parse(text: str) -> float:
         value = float(text.strip())
-        if not value >= minimum or value != value or value == float("inf"):
+        if not minimum <= value <= maximum or value == float("inf"):
             raise ValueError(f"must be >= {minimum}")
         return value
 
-    parse.expected = f"a finite number >= {minimum}"  # type: ignore[attr-defined]
+    parse.expected = (f"a finite number >= {minimum}" if maximum == float("inf")  # type: ignore[attr-defined]
+                      else f"a number from {minimum} to {maximum}")
     return parse
 
 
@@ -99,8 +100,9 @@ _text.expected = "a path or DYNAMIC"  # type: ignore[attr-defined]
 # variable suffix -> (dataclass field, parser)
 VARIABLES: Mapping[str, tuple] = {
     "FUSION_THRESHOLD": ("fusion_threshold_bytes", _int(0)),
-    "MPI_CHUNK_BYTES": ("mpi_chunk_bytes", _int(1024)),
-    "CYCLE_TIME": ("cycle_time_ms", _float(0.0)),
+    "MPI_CHUNK_BYTES": ("mpi_chunk_bytes", _int(1024, 1 << 31)),  # (an MPI count is an int)
+    # a cycle sleeps this long while idle: beyond 10 s a job only looks hung (1e300 crashed the loop)
+    "CYCLE_TIME": ("cycle_time_ms", _float(0.0, 10000.0)),
     # every cycle's negotiation carries a bit per cache slot: a million slots is 128 KiB
     "CACHE_CAPACITY": ("cache_capacity", _int(0, 1 << 20)),
     "STALL_CHECK_DISABLE": ("stall_check_disable", _bool),

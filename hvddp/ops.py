@@ -691,7 +691,26 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                         f"picklable values (no locks, open files or sockets).") from failure
     buf = data if is_root else np.zeros(int(length[0]), dtype=np.uint8)
     buf = broadcast(buf, root_rank, f"{name}.data", process_set)
-    return obj if is_root else pickle.loads(buf.tobytes())
+    return _unpickled_together(lambda: obj if is_root else pickle.loads(buf.tobytes()), name, process_set,
+                               "broadcast_object")
+
+
+def _unpickled_together(load: Callable[[], Any], name: str, process_set: ProcessSet, fn: str) -> Any:
+    """``load()`` (unpickling what arrived), agreed by every rank of the set: a rank that cannot
+    (a class that exists only on the sender, a ``__reduce__`` that fails) raises, and so does
+    every other, naming it, instead of returning while that one rank alone fails."""
+    try:
+        value, failure = load(), None
+    except Exception as exc:  # whatever the object's own code raised
+        value, failure = None, exc
+    ok = allgather(np.array([failure is None], dtype=np.uint8), f"{name}.ok", process_set)
+    bad = [r for r, flag in enumerate(ok.tolist()) if not flag]
+    if bad:
+        why = f" (here: {type(failure).__name__}: {failure})" if failure is not None else ""
+        raise TypeError(f"{fn}: rank(s) {bad} of the process set could not unpickle the object they "
+                        f"received{why}; send values every rank can rebuild (classes importable on "
+                        f"every rank, the same library versions).") from failure
+    return value
 
 
 def allgather_object(obj: Any, name: Optional[str] = None,
@@ -709,8 +728,12 @@ def allgather_object(obj: Any, name: Optional[str] = None,
         raise TypeError(f"allgather_object: rank(s) {bad} of the process set could not pickle their "
                         f"object{why}; send only picklable values (no locks, open files or sockets).") from failure
     gathered = allgather(data, f"{name}.data", process_set)
-    out, offset = [], 0
-    for n in sizes.tolist():
-        out.append(pickle.loads(gathered[offset:offset + n].tobytes()))
-        offset += n
-    return out
+
+    def load() -> List[Any]:
+        out, offset = [], 0
+        for n in sizes.tolist():
+            out.append(pickle.loads(gathered[offset:offset + n].tobytes()))
+            offset += n
+        return out
+
+    return _unpickled_together(load, name, process_set, "allgather_object")

@@ -138,6 +138,14 @@ def find_launch(mpiexec: Optional[str] = None) -> Launch:
     family = mpi_family(text)
     library = text.strip().splitlines()[0].strip() if text.strip() else "unknown MPI library"
     if mpiexec:
+        found = shutil.which(mpiexec)
+        if found is None:
+            raise RuntimeError(f"--mpiexec {mpiexec!r} is not an executable file (or a command on PATH).")
+        launcher = _launcher_family(found)
+        if "unknown" not in (family, launcher) and launcher != family:  # (a wrapper script: trusted)
+            raise RuntimeError(f"--mpiexec {mpiexec!r} is a {launcher} launcher, but mpi4py loads "
+                               f"{library!r} ({family}); ranks started by it would each run alone. "
+                               f"Pass the mpiexec of that library.")
         return Launch(family, library, mpiexec)
     seen = []
     for exe in _candidates(libs):
@@ -161,7 +169,9 @@ def parse_hosts(text: str) -> List[Tuple[str, int]]:
         if not item:
             continue
         host, _, slots = item.partition(":")
-        hosts.append((host, _slots(slots or "1", item)))
+        if not host.strip():
+            raise ValueError(f"-H {text!r}: entry {item!r} has no host name; expected host1:slots,host2:slots.")
+        hosts.append((host.strip(), _slots(slots or "1", item)))
     if not hosts:
         raise ValueError(f"-H {text!r} names no hosts; expected host1:slots,host2:slots.")
     return hosts
@@ -177,11 +187,17 @@ def parse_hostfile(path: str) -> List[Tuple[str, int]]:
                 continue
             host, *options = re.sub(r"\s*=\s*", "=", line).split()  # ("slots = 4", "slots= 4")
             host, _, slots = host.partition(":")
-            for option in options:  # Open MPI style: slots=N [max_slots=M ...]
-                key, _, value = option.partition("=")
-                if key == "slots":
-                    slots = value
             try:
+                for option in options:  # Open MPI style: slots=N [max_slots=M ...]
+                    key, _, value = option.partition("=")
+                    if key == "slots" and slots:
+                        raise ValueError(f"{line!r} gives the slots twice (host:N and slots=N).")
+                    if key == "slots":
+                        slots = value
+                    elif key not in ("max_slots", "max-slots"):
+                        raise ValueError(f"{line!r}: {option!r} is not a slots=N or max_slots=N option.")
+                if not host:
+                    raise ValueError(f"{line!r} has no host name.")
                 hosts.append((host, _slots(slots or "1", line)))
             except ValueError as exc:
                 raise ValueError(f"--hostfile {path}: line {number}: {exc} Expected `host`, "

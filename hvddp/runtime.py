@@ -275,7 +275,13 @@ def init(comm=None, process_sets: Union[None, str, Sequence[ProcessSet]] = None)
         if comm is None:
             base = world
         elif isinstance(comm, (list, tuple)):
-            ranks = list(comm)
+            ranks, problem = _checked_rank_list(comm, world.Get_size())
+            # checked on every rank at once: a rank with a bad or different list would otherwise
+            # run alone (as a size-1 world, silently), or hang its peers in Create
+            every = _raise_together(world, problem, payload=ranks, source="init(comm=...)")
+            if any(other != ranks for other in every):
+                raise ValueError(f"init(comm=...): every rank must pass the same list of ranks; "
+                                 f"received {', '.join(f'rank {r}: {v}' for r, v in enumerate(every))}.")
             if world.Get_rank() in ranks:
                 group = world.Get_group().Incl(ranks)
                 base = made = world.Create(group)
@@ -284,6 +290,10 @@ def init(comm=None, process_sets: Union[None, str, Sequence[ProcessSet]] = None)
                 world.Create(MPI.GROUP_EMPTY)
                 base = MPI.COMM_SELF
         elif isinstance(comm, MPI.Comm):
+            if comm == MPI.COMM_NULL:
+                raise ValueError("init(comm=MPI.COMM_NULL): this rank is not in that communicator "
+                                 "(a Split or Create that left it out); pass a communicator it "
+                                 "belongs to, or a list of world ranks.")
             base = comm
         else:
             raise TypeError(f"init(comm=...) takes an mpi4py communicator or a list of ranks, "
@@ -485,6 +495,9 @@ def _check_process_sets(comm, process_sets) -> List[ProcessSet]:
     if isinstance(process_sets, str) and process_sets.lower() == "dynamic":
         process_sets = None  # Horovod's switch for add/remove after init; always on here
     try:
+        if isinstance(process_sets, ProcessSet):
+            raise TypeError(f"init(process_sets=...) takes a list of ProcessSet objects, got one "
+                            f"ProcessSet ({process_sets!r}): pass [it].")
         sets, listed = [], set()
         for ps in process_sets or ():  # each object once: listed twice, it is registered once
             if ps is not global_process_set and id(ps) not in listed:
@@ -536,6 +549,22 @@ def _check_process_sets(comm, process_sets) -> List[ProcessSet]:
             part._parts = siblings
         out += siblings
     return out
+
+
+def _checked_rank_list(comm: Sequence[Any], world_size: int):
+    """``(ranks as ints, None)`` for ``init(comm=[...])``, or ``(None, the error)`` for a bad list."""
+    bad = [r for r in comm if isinstance(r, bool) or not isinstance(r, numbers.Integral)]
+    if bad:
+        return None, TypeError(f"init(comm=...): a list of world ranks holds ints; received {list(comm)!r} "
+                               f"(with {type(bad[0]).__name__} {bad[0]!r}): convert them with int().")
+    ranks = [int(r) for r in comm]
+    outside = [r for r in ranks if not 0 <= r < world_size]
+    if not ranks or outside or len(set(ranks)) != len(ranks):
+        why = ("it is empty" if not ranks else f"{outside} are not world ranks (0 to {world_size - 1})"
+               if outside else "it repeats a rank")
+        return None, ValueError(f"init(comm=...): received {ranks}, but {why}; pass distinct world "
+                                f"ranks from 0 to {world_size - 1}.")
+    return ranks, None
 
 
 def _raise_together(comm, error: Optional[Exception], payload: Any = None, source: str = "environment") -> list:

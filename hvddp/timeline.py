@@ -192,9 +192,17 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Start writing a timeline to ``file_path`` (rank 0 writes; other ranks do nothing).
 
     Works with ``HVDDP_TIMELINE=DYNAMIC`` or any other setting; a running timeline is closed and
-    a new one started.
+    a new one started. Not collective (a rank may call it alone), so a path rank 0 cannot write
+    raises there only.
+
+    Raises:
+        ValueError: on rank 0, ``file_path`` cannot be opened for writing (named, with the cause).
     """
-    _timeline().start(file_path, mark_cycles)
+    try:
+        _timeline().start(file_path, mark_cycles)
+    except OSError as exc:
+        raise ValueError(f"start_timeline({file_path!r}): rank 0, which writes the timeline, cannot "
+                         f"open that path: {exc}. Pass a path in a writable directory.") from exc
 
 
 def stop_timeline() -> None:

@@ -475,6 +475,25 @@ def test_objects():
         assert [f(0) for f in hvddp.allgather_object(lambda x: x + offset)] == [7 + r for r in range(N)]
 
 
+class _OnlyPicklable:
+    """Pickles, but cannot be rebuilt (as a class that exists only on the sender)."""
+
+    def __reduce__(self):
+        return (int, ("not a number",))
+
+
+def test_an_object_that_cannot_be_unpickled_raises_on_every_rank():
+    """The receivers raised alone while the sender returned (and then waited in its next call)."""
+    with pytest.raises(TypeError, match=r"broadcast_object: rank\(s\) \[.*\] of the process set could not unpickle"):
+        hvddp.broadcast_object(_OnlyPicklable() if R == 0 else None, root_rank=0)
+    with pytest.raises(TypeError, match=r"allgather_object: rank\(s\) .* could not unpickle"):
+        hvddp.allgather_object(_OnlyPicklable() if R == N - 1 else R)
+    assert hvddp.allgather_object(R) == list(range(N))  # and the next calls meet
+    if R == 0:  # start_timeline is not collective: the rank that writes names the bad path
+        with pytest.raises(ValueError, match=r"start_timeline\('/proc/no/such/dir/t.json'\): rank 0"):
+            hvddp.start_timeline("/proc/no/such/dir/t.json")
+
+
 def test_an_object_that_cannot_be_pickled_raises_on_every_rank():
     lock = threading.Lock()  # a rank that caught the error must not leave the others waiting
     with pytest.raises(TypeError, match=r"broadcast_object: rank 0 could not pickle its object"):

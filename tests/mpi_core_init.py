@@ -111,4 +111,26 @@ except ValueError as exc:
     assert "overlap" in str(exc), exc
 else:
     raise AssertionError("overlapping communicators were accepted")
+# bad rank lists raise on every rank, naming init(comm=...): each one ran alone silently (strings),
+# hung its peers (lists that differ, a repeated rank) or raised on one rank only (out of range)
+for bad, kind, words in ((["0", "1"], TypeError, "holds ints"),
+                         ([0, 1] if world == 0 else [1, 2], ValueError, "the same list"),
+                         ([0, 7], ValueError, "[7] are not world ranks"),
+                         ([0, 0], ValueError, "repeats a rank"),
+                         ([], ValueError, "it is empty"),
+                         (MPI.COMM_NULL, ValueError, "COMM_NULL"),
+                         (None, TypeError, "takes a list of ProcessSet objects")):
+    try:
+        if bad is None:
+            hvddp.init(process_sets=hvddp.ProcessSet([0]))
+        else:
+            hvddp.init(comm=bad)
+    except kind as exc:
+        assert words in str(exc), exc
+    else:
+        raise AssertionError(f"init accepted {bad!r}")
+    assert not hvddp.is_initialized()
+hvddp.init(comm=[np.int64(2), 1])  # numpy ints are ints; the list's order is the new ranks'
+assert hvddp.size() == (2 if world else 1) and hvddp.rank() == {0: 0, 1: 1, 2: 0}[world]
+hvddp.shutdown()
 print(f"rank {world} init variants ok", flush=True)

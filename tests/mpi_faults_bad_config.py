@@ -15,8 +15,8 @@ import time
 # variable suffix -> values hvddp must reject at init()
 BAD_VALUES = {
     "FUSION_THRESHOLD": ["64MB", "-1", ""],
-    "MPI_CHUNK_BYTES": ["100", "4M"],
-    "CYCLE_TIME": ["fast", "-1", "nan", "inf"],
+    "MPI_CHUNK_BYTES": ["100", "4M", "99999999999999999999"],
+    "CYCLE_TIME": ["fast", "-1", "nan", "inf", "1e300", "10001"],
     "CACHE_CAPACITY": ["-5", "1.5", "1048577"],
     "STALL_CHECK_DISABLE": ["maybe", "2"],
     "STALL_CHECK_TIME_SECONDS": ["-1", "60s"],

@@ -203,6 +203,21 @@ def test_hostfile_formats(tmp_path):
     f.write_text("a slots=x\n")
     with pytest.raises(ValueError, match="line 1"):
         runner.parse_hostfile(str(f))
+    # what was taken silently before: an unknown option (slots stayed 1), slots given twice
+    for text, words in (("a foo=3\n", "'foo=3' is not a slots=N"), ("a:2 slots=5\n", "slots twice")):
+        f.write_text(text)
+        with pytest.raises(ValueError, match=f"line 1: .*{words}"):
+            runner.parse_hostfile(str(f))
+    assert runner.parse_hosts("a:2, b") == [("a", 2), ("b", 1)]
+    with pytest.raises(ValueError, match="entry ':2' has no host name"):
+        runner.parse_hosts(":2")
+
+
+def test_check_build_refuses_an_mpiexec_that_is_not_there():
+    """--check-build --mpiexec PATH reported any path as a working launcher (exit 0)."""
+    result, _ = hvddprun(["--check-build", "--mpiexec", "/nonexistent/mpiexec"], timeout=180)
+    assert result.returncode == 1, result.stdout
+    assert "--mpiexec '/nonexistent/mpiexec' is not an executable file" in result.stdout, result.stdout
 
 
 def test_exit_code_of_the_job_is_returned():

@@ -93,6 +93,11 @@ def test_example_pytorch_digits(tmp_path):
                       "--epochs", "13"], timeout=180)
     assert "resumed from" in resumed.stdout and "epoch 13 " in resumed.stdout, resumed.stdout
     assert "epoch  1 " not in resumed.stdout
+    # resumed after its last epoch: no training, and the accuracy reported is the model's (was 0%)
+    done = run(2, ["examples/pytorch_digits.py", "--checkpoint", str(checkpoint), "--resume",
+                   "--epochs", "13"], timeout=180)
+    final = re.findall(r"ranks 2 +test accuracy ([0-9.]+)%", done.stdout)
+    assert "epoch 13 " not in done.stdout and final and float(final[-1]) >= 95.0, done.stdout
 
 
 def test_synthetic_benchmark_example_runs():

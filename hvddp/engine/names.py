@@ -15,7 +15,7 @@ import threading
 from typing import Dict
 
 # <prefix ending in .noname.><n>, optionally .<i> for a member of a group
-_AUTOMATIC = re.compile(r"^(.+\.noname\.)(\d+)(?:\.(?:\d+|size|data))?$")
+_AUTOMATIC = re.compile(r"^(.+\.noname\.)(\d+)(?:\.(?:\d+|size|data|ok))?$")
 
 
 class AutoNames:
