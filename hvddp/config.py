@@ -100,7 +100,7 @@ _text.expected = "a path or DYNAMIC"  # type: ignore[attr-defined]
 # variable suffix -> (dataclass field, parser)
 VARIABLES: Mapping[str, tuple] = {
     "FUSION_THRESHOLD": ("fusion_threshold_bytes", _int(0)),
-    "MPI_CHUNK_BYTES": ("mpi_chunk_bytes", _int(1024, 1 << 31)),  # (an MPI count is an int)
+    "MPI_CHUNK_BYTES": ("mpi_chunk_bytes", _int(1024, (1 << 31) - 1)),  # (an MPI count is an int)
     # a cycle sleeps this long while idle: beyond 10 s a job only looks hung (1e300 crashed the loop)
     "CYCLE_TIME": ("cycle_time_ms", _float(0.0, 10000.0)),
     # every cycle's negotiation carries a bit per cache slot: a million slots is 128 KiB

@@ -279,9 +279,14 @@ def init(comm=None, process_sets: Union[None, str, Sequence[ProcessSet]] = None)
             # checked on every rank at once: a rank with a bad or different list would otherwise
             # run alone (as a size-1 world, silently), or hang its peers in Create
             every = _raise_together(world, problem, payload=ranks, source="init(comm=...)")
-            if any(other != ranks for other in every):
-                raise ValueError(f"init(comm=...): every rank must pass the same list of ranks; "
-                                 f"received {', '.join(f'rank {r}: {v}' for r, v in enumerate(every))}.")
+            # disjoint lists make separate worlds (one launch split into jobs); a rank's list must
+            # be the list of every rank it names, or Create would wait for ranks that make another
+            clash = next(((r, m) for r, theirs in enumerate(every) for m in theirs if every[m] != theirs), None)
+            if clash is not None:
+                r, m = clash
+                raise ValueError(f"init(comm=...): rank {r} passed {every[r]}, which names rank {m}, but rank "
+                                 f"{m} passed {every[m]}; every rank a list names must pass that same list "
+                                 f"(disjoint lists make separate worlds).")
             if world.Get_rank() in ranks:
                 group = world.Get_group().Incl(ranks)
                 base = made = world.Create(group)

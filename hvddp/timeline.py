@@ -196,13 +196,15 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     raises there only.
 
     Raises:
-        ValueError: on rank 0, ``file_path`` cannot be opened for writing (named, with the cause).
+        OSError: on rank 0, ``file_path`` cannot be opened for writing (the same kind as ``open``'s,
+            its message naming the call and the fix).
     """
     try:
         _timeline().start(file_path, mark_cycles)
     except OSError as exc:
-        raise ValueError(f"start_timeline({file_path!r}): rank 0, which writes the timeline, cannot "
-                         f"open that path: {exc}. Pass a path in a writable directory.") from exc
+        raise type(exc)(exc.errno, f"start_timeline({file_path!r}): rank 0, which writes the timeline, "
+                                   f"cannot open that path ({exc.strerror}); pass a path in a writable "
+                                   f"directory") from exc
 
 
 def stop_timeline() -> None:

@@ -114,7 +114,7 @@ else:
 # bad rank lists raise on every rank, naming init(comm=...): each one ran alone silently (strings),
 # hung its peers (lists that differ, a repeated rank) or raised on one rank only (out of range)
 for bad, kind, words in ((["0", "1"], TypeError, "holds ints"),
-                         ([0, 1] if world == 0 else [1, 2], ValueError, "the same list"),
+                         ([0, 1] if world == 0 else [1, 2], ValueError, "must pass that same list"),
                          ([0, 7], ValueError, "[7] are not world ranks"),
                          ([0, 0], ValueError, "repeats a rank"),
                          ([], ValueError, "it is empty"),
@@ -132,5 +132,9 @@ for bad, kind, words in ((["0", "1"], TypeError, "holds ints"),
     assert not hvddp.is_initialized()
 hvddp.init(comm=[np.int64(2), 1])  # numpy ints are ints; the list's order is the new ranks'
 assert hvddp.size() == (2 if world else 1) and hvddp.rank() == {0: 0, 1: 1, 2: 0}[world]
+hvddp.shutdown()
+hvddp.init(comm=[0, 1] if world < 2 else [2])  # disjoint lists: separate worlds, as before the checks
+assert hvddp.size() == (2 if world < 2 else 1)
+assert hvddp.allreduce(np.array([1.0]), op=hvddp.Sum, name="disjoint")[0] == hvddp.size()
 hvddp.shutdown()
 print(f"rank {world} init variants ok", flush=True)

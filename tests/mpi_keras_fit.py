@@ -906,5 +906,29 @@ def test_callbacks_on_a_set_leave_ranks_outside_it_alone():
         hvd.callbacks.LearningRateScheduleCallback(0.1, None)
     with pytest.raises(TypeError, match="initial_lr must be a number"):
         hvd.callbacks.LearningRateScheduleCallback("0.1", 1.0)
-    with pytest.raises(ValueError, match="warmup_epochs must be a positive number.*-1"):
+    with pytest.raises(ValueError, match="warmup_epochs must be a number of epochs >= 0.*-1"):
         hvd.callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=-1)
+    hvd.callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=0)  # no warm-up, as in Horovod
+    hvd.callbacks.LearningRateScheduleCallback(0.1, np.array(0.5))  # float() takes a 0-d array
+
+
+def test_float8_scales_of_a_local_layer_stay_this_ranks():
+    """A local layer keeps its own float8 statistics; they were Max-reduced with the shared ones."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), layers.Dense(8), layers.Dense(3)])
+    model.quantize("float8")
+    last = model.layers[-1]
+    model.compile(optimizer=hvd.PartialDistributedOptimizer(keras.optimizers.SGD(0.01), local_layers=last),
+                  loss="mse")
+    x = np.random.RandomState(RANK).randn(16, 4).astype("float32") * (1 + 10 * RANK)
+    model.fit(x, np.zeros((16, 3), "float32"), batch_size=16, epochs=1, verbose=0)
+
+    def amax(layer):
+        v = next(w for w in layer.variables if "inputs_amax_history" in w.path)
+        return float(np.max(ops.convert_to_numpy(v)))
+
+    every = ops.convert_to_numpy(hvd.allgather(np.array([[amax(model.layers[0]), amax(last)]]),
+                                               name="test.float8.local"))
+    assert np.all(every[:, 0] == every[0, 0])  # the shared layer's: the maximum, everywhere
+    if SIZE > 1:
+        assert every[0, 1] < every[1, 1]  # the local layer's: each rank's own (rank 1's data is larger)

@@ -399,8 +399,9 @@ def test_sync_batch_norm_empty_and_single_value_batches_and_eval_alone():
     full = torch.randn(4 * N, 2) + 3
     ref(full)
     sync(full[4 * R:4 * R + 4])
-    sync(torch.randn(0, 2))
+    sync(torch.randn(0, 2)).sum().backward()
     ref(torch.randn(0, 2))
+    assert torch.equal(sync.weight.grad, torch.zeros(2)) and torch.equal(sync.bias.grad, torch.zeros(2))
     torch.testing.assert_close(sync.running_mean, ref.running_mean)
     torch.testing.assert_close(sync.running_var, ref.running_var)
     assert torch.isfinite(sync.running_var).all()

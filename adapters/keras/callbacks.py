@@ -176,13 +176,16 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         if callable(multiplier):
             self.multiplier = multiplier
             self.staircase = staircase
-        elif isinstance(multiplier, numbers.Real) and not isinstance(multiplier, bool):
-            value = float(multiplier)
+        else:
+            try:  # a number, or anything float() takes (a 0-d array or tensor)
+                if multiplier is None or isinstance(multiplier, bool):
+                    raise TypeError
+                value = float(multiplier)
+            except (TypeError, ValueError):
+                raise TypeError(f"{who}: multiplier must be a number or a function of the epoch; "
+                                f"Received: multiplier={multiplier!r}.") from None
             self.multiplier = lambda epoch: value
             self.staircase = True
-        else:
-            raise TypeError(f"{who}: multiplier must be a number or a function of the epoch; "
-                            f"Received: multiplier={multiplier!r}.")
         self.start_epoch = start_epoch
         self.end_epoch = end_epoch
         self.momentum_correction = momentum_correction
@@ -248,9 +251,9 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     def __init__(self, initial_lr: Optional[float], warmup_epochs: int = 5, momentum_correction: bool = True,
                  steps_per_epoch: Optional[int] = None, verbose: int = 0):
-        if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, numbers.Real) or warmup_epochs <= 0:
-            raise ValueError(f"LearningRateWarmupCallback: warmup_epochs must be a positive number of "
-                             f"epochs; Received: warmup_epochs={warmup_epochs!r}.")
+        if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, numbers.Real) or warmup_epochs < 0:
+            raise ValueError(f"LearningRateWarmupCallback: warmup_epochs must be a number of epochs >= 0 "
+                             f"(0: no warm-up); Received: warmup_epochs={warmup_epochs!r}.")
         self.warmup_epochs = warmup_epochs
 
         def multiplier(epoch: float) -> float:

@@ -61,8 +61,11 @@ class _DistributedOptimizerMixin:
         the whole batch (a scale grows with the amax it is made from); never averaged, summed or
         scaled by the passes, which made them drift by the factor every step."""
         ps = settings["process_set"]
-        which = [i for i, v in enumerate(variables) if _overwritten(v) and grads[i] is not None]
-        chosen = set(which)
+        local = settings["local"]  # a local layer's scales are this rank's own: left as they are
+        kept = {i for i, v in enumerate(variables) if _overwritten(v) and id(v) in local}
+        which = [i for i, v in enumerate(variables)
+                 if _overwritten(v) and grads[i] is not None and i not in kept]
+        chosen = set(which) | kept
         rest = [i for i in range(len(grads)) if i not in chosen]
         out = list(grads)
         if which and ps.included() and ps.size() > 1:

@@ -82,7 +82,8 @@ class SyncBatchNorm(_BatchNorm):
         n = totals[channels].detach()
         total = float(n)  # the same on every rank: all take the same branch
         if total == 0:  # nothing anywhere: an empty output, the running statistics left alone
-            return x * self.weight.view(shape) if self.weight is not None else x.clone()
+            # (through weight and bias, so both get zero gradients, as BatchNorm's)
+            return x * self.weight.view(shape) + self.bias.view(shape) if self.weight is not None else x.clone()
         if total == 1:
             raise ValueError(f"SyncBatchNorm: expected more than 1 value per channel when training, "
                              f"got 1 over all ranks (input size {tuple(x.shape)} on this rank), as "
