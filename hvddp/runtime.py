@@ -328,7 +328,8 @@ def init(comm=None, process_sets: Union[None, str, Sequence[ProcessSet]] = None)
         from .timeline import Timeline
         problem = None
         try:
-            state.timeline = Timeline.from_config(cfg, state.rank)
+            part = state.size < world.Get_size() and world.Get_rank() != 0  # (see from_config)
+            state.timeline = Timeline.from_config(cfg, state.rank, f".world{world.Get_rank()}" if part else "")
         except OSError as exc:  # rank 0 opens the file; every rank must fail alike
             problem = (f"environment variable HVDDP_TIMELINE={cfg.timeline!r} is not usable on rank 0: "
                        f"{exc}. Fix or unset HVDDP_TIMELINE.")

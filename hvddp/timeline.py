@@ -24,8 +24,9 @@ __all__ = ["Timeline", "start_timeline", "stop_timeline"]
 class Timeline:
     """Event writer; a no-op (falsy) until a file is open."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, tag: str = "") -> None:
         self.rank = rank
+        self.tag = tag  # put before the path's extension (see from_config)
         self._lock = threading.Lock()
         self._file = None
         self._t0 = 0.0
@@ -35,8 +36,11 @@ class Timeline:
         self._kinds: Dict[str, str] = {}
 
     @classmethod
-    def from_config(cls, config, rank: int) -> "Timeline":
-        timeline = cls(rank)
+    def from_config(cls, config, rank: int, tag: str = "") -> "Timeline":
+        """``tag``: for a world that is part of the job (``init(comm=...)``), whose rank 0 is
+        not the job's: ``.world<its job rank>``, so that the parts' rank 0s, which all write, do
+        not truncate one file (one part's trace was lost)."""
+        timeline = cls(rank, tag)
         if config.timeline and config.timeline.upper() != "DYNAMIC":
             timeline.start(config.timeline, config.timeline_mark_cycles)
         return timeline
@@ -50,6 +54,9 @@ class Timeline:
         with self._lock:
             if self._file is not None:
                 self._close_locked()
+            if self.tag:
+                root, ext = os.path.splitext(path)
+                path = f"{root}{self.tag}{ext}"
             directory = os.path.dirname(os.path.abspath(path))
             os.makedirs(directory, exist_ok=True)
             # line-buffered: every event reaches the file as it is written, so a job that is

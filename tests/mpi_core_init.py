@@ -135,6 +135,16 @@ assert hvddp.size() == (2 if world else 1) and hvddp.rank() == {0: 0, 1: 1, 2: 0
 hvddp.shutdown()
 hvddp.init(comm=[0, 1] if world < 2 else [2])  # disjoint lists: separate worlds, as before the checks
 assert hvddp.size() == (2 if world < 2 else 1)
+parts = os.path.join(out_dir, "parts.json")  # each world's rank 0 writes: world 2's into parts.world2.json
+hvddp.start_timeline(parts)
 assert hvddp.allreduce(np.array([1.0]), op=hvddp.Sum, name="disjoint")[0] == hvddp.size()
+hvddp.stop_timeline()
 hvddp.shutdown()
+if world == 2:  # (world 0's file is closed by now too: rank 0 passed stop_timeline before its shutdown)
+    MPI.COMM_WORLD.Barrier()
+    for name in ("parts.json", "parts.world2.json"):
+        with open(os.path.join(out_dir, name)) as f:
+            assert any(e.get("args", {}).get("name") == "allreduce.disjoint" for e in json.load(f)), name
+else:
+    MPI.COMM_WORLD.Barrier()
 print(f"rank {world} init variants ok", flush=True)
