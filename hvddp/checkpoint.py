@@ -160,7 +160,8 @@ def save_bytes(data: Optional[Data], path: Union[str, os.PathLike], root_rank: O
             atomic_write(path, data)
         except Exception as exc:  # reported on every rank below
             error = f"{type(exc).__name__}: {exc}"
-    error = broadcast_object(error, root_rank, process_set=process_set)
+    # (named: a rank that never calls it shows up in the stall warning as a checkpoint's)
+    error = broadcast_object(error, root_rank, name="__hvddp.checkpoint.saved", process_set=process_set)
     if error is not None:
         raise CheckpointError(f"checkpoint {os.fspath(path)!r}: rank {root_rank} could not write it "
                               f"({error}); the previous checkpoint, if any, is intact.")
@@ -194,7 +195,7 @@ def load_bytes(path: Union[str, os.PathLike], root_rank: Optional[int] = None,
             header = ("missing", 0)
         except Exception as exc:
             header = ("error", f"{type(exc).__name__}: {exc}")
-    status, value = broadcast_object(header, root_rank, process_set=process_set)
+    status, value = broadcast_object(header, root_rank, name="__hvddp.checkpoint.header", process_set=process_set)
     if status == "missing":
         return None
     if status == "error":

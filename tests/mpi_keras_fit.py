@@ -932,3 +932,50 @@ def test_float8_scales_of_a_local_layer_stay_this_ranks():
     assert np.all(every[:, 0] == every[0, 0])  # the shared layer's: the maximum, everywhere
     if SIZE > 1:
         assert every[0, 1] < every[1, 1]  # the local layer's: each rank's own (rank 1's data is larger)
+
+
+def test_checkpoint_resume_keeps_each_ranks_local_layer():
+    """A resume with local layers (PartialDistributedOptimizer) continues as the uninterrupted run:
+    every rank's local variables and their optimizer slots were rank 0's after load_checkpoint,
+    and the broadcast callback then copied rank 0's slots over them too. Also: a checkpoint of
+    another optimizer kind, and an unbuilt model, are refused on every rank."""
+    from hvddp.keras.checkpoint import CheckpointCallback, load_checkpoint, save_checkpoint
+
+    x, y = global_data()
+    xs, ys = shard(x), shard(y)
+
+    def build(seed):
+        keras.utils.set_random_seed(seed + RANK)  # the local layer starts apart on every rank
+        model = keras.Sequential([keras.Input((5,)), layers.Dense(8, activation="tanh"), layers.Dense(3)])
+        model.compile(optimizer=hvd.PartialDistributedOptimizer(keras.optimizers.Adam(0.01),
+                                                                local_layers=model.layers[-1]),
+                      loss="sparse_categorical_crossentropy")
+        return model
+
+    def callbacks(model):
+        return [hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=model.layers[-1].weights)]
+
+    directory = hvd.broadcast_object(tempfile.mkdtemp() if RANK == 0 else None, 0, name="test.dir.local.ckpt")
+    path = os.path.join(directory, "local.ckpt")
+    ref = build(10)
+    ref.fit(xs, ys, batch_size=GLOBAL_BATCH // SIZE, epochs=4, shuffle=False, verbose=0, callbacks=callbacks(ref))
+    first = build(10)
+    first.fit(xs, ys, batch_size=GLOBAL_BATCH // SIZE, epochs=2, shuffle=False, verbose=0,
+              callbacks=[*callbacks(first), CheckpointCallback(path, every=2)])
+    resumed = build(20)
+    state = load_checkpoint(path, resumed)
+    resumed.fit(xs, ys, batch_size=GLOBAL_BATCH // SIZE, epochs=4, initial_epoch=state["epoch"], shuffle=False,
+                verbose=0, callbacks=callbacks(resumed))
+    for got, want in zip(resumed.variables + resumed.optimizer.variables, ref.variables + ref.optimizer.variables):
+        np.testing.assert_array_equal(ops.convert_to_numpy(got), ops.convert_to_numpy(want), err_msg=got.path)
+    if SIZE > 1:  # the local layer really is per rank
+        every = ops.convert_to_numpy(hvd.allgather(ops.convert_to_numpy(resumed.layers[-1].kernel)[None],
+                                                   name="test.local.ckpt.kernel"))
+        assert not np.array_equal(every[0], every[1])
+    other = keras.Sequential([keras.Input((5,)), layers.Dense(8, activation="tanh"), layers.Dense(3)])
+    other.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.RMSprop(0.01)), loss="mse")
+    with pytest.raises(hvd.HvddpError, match="holds the state of a Adam optimizer, this model's is a RMSprop"):
+        load_checkpoint(path, other)
+    unbuilt = keras.Sequential([layers.Dense(3)])
+    with pytest.raises(hvd.HvddpError, match="save_checkpoint: the model is not built"):
+        save_checkpoint(os.path.join(directory, "unbuilt.ckpt"), unbuilt)

@@ -74,6 +74,11 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         # at the end of that step, as Horovod always does, rather than nothing now. The ranks
         # agree on when (a model may be built on some ranks only, e.g. by a checkpoint rank 0
         # loaded), or some would broadcast while others reduce their first gradients.
+        from .checkpoint import _restored_per_rank, _settle_pending_rng
+
+        _settle_pending_rng(self.model)  # (a resume's RNG states, also without CheckpointCallback)
+        if _restored_per_rank(self.model):  # load_checkpoint made the ranks consistent, local state too
+            self.broadcast_done = True
         if self.broadcast_done:
             return
         if not self.process_set.included():  # trains on its own, as the optimizer does there

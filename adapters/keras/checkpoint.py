@@ -12,9 +12,10 @@
 A checkpoint holds rank 0's model variables and optimizer variables (built first if needed:
 iteration count, learning rate, moments), the epoch and step, any picklable ``extra``, and per
 rank the states that differ between replicas: the layers' ``SeedGenerator`` states, Keras'
-global seed generator, Python's and NumPy's global RNGs, and on the torch backend torch's
-generators (unseeded ``Dropout`` draws from them there). A resumed job continues as the
-uninterrupted one would.
+global seed generator, Python's and NumPy's global RNGs, on the torch backend torch's
+generators (unseeded ``Dropout`` draws from them there), and, when the optimizer has local
+variables (``register_local_var``, ``PartialDistributedOptimizer``), those variables and the
+rank's optimizer variables. A resumed job continues as the uninterrupted one would.
 
 Both functions are collective: every rank calls them (callbacks run on every rank). The file is
 pickled NumPy data written through ``hvddp.checkpoint`` (temporary file, fsync, rename; a crash
@@ -123,6 +124,55 @@ def _optimizer(model, optimizer):
     return optimizer
 
 
+def _local_ids(optimizer) -> set:
+    """Ids of the variables ``optimizer`` keeps per rank (``register_local_var``)."""
+    for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        settings = getattr(opt, "__dict__", {}).get("_hvddp")
+        if settings and settings.get("local"):
+            return set(settings["local"])
+    return set()
+
+
+def _kind(optimizer) -> Optional[str]:
+    """The optimizer's class, and its inner one's for a LossScaleOptimizer: a checkpoint's slots
+    fit only the same kind (SGD's momentum would load into RMSprop's velocity)."""
+    if optimizer is None:
+        return None
+    inner = getattr(optimizer, "inner_optimizer", None)
+    return type(optimizer).__name__ + (f"({type(inner).__name__})" if inner is not None else "")
+
+
+def _check_arguments(fn: str, path: Any, model: Any) -> None:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{fn}: path must be a file path (str or os.PathLike); Received: path={path!r}.")
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"{fn}: model must be a Keras model; Received: model={type(model).__name__}.")
+
+
+def _settle_pending_rng(model) -> None:
+    """Set again the RNG states ``load_checkpoint`` restored, at the start of the first ``fit``
+    after it (Keras' first ``fit`` on a model draws random numbers while it builds the train
+    function: on torch it consumes torch's generator); only if no step ran since the load, or a
+    later ``fit`` would rewind the streams. Called by ``CheckpointCallback`` and
+    ``BroadcastGlobalVariablesCallback`` at ``on_train_begin``, whichever comes first."""
+    pending = model.__dict__.pop("_hvddp_pending_rng", None)
+    if pending is not None and _iterations(getattr(model, "optimizer", None)) == pending[1]:
+        _set_global_rng(pending[0])
+
+
+def _iterations(optimizer) -> Optional[int]:
+    if optimizer is None or not optimizer.built:
+        return None
+    return int(keras.ops.convert_to_numpy(optimizer.iterations))
+
+
+def _restored_per_rank(model) -> bool:
+    """Whether ``load_checkpoint`` restored per-rank local state and no step ran since (then the
+    ranks are already consistent, and a broadcast would undo the local state)."""
+    restored = model.__dict__.get("_hvddp_restored_per_rank", False)
+    return restored is not False and _iterations(getattr(model, "optimizer", None)) == restored
+
+
 def save_checkpoint(path: Union[str, os.PathLike], model: keras.Model, optimizer: Any = None, *,
                     epoch: int = 0, step: int = 0, extra: Any = None, rng: bool = True,
                     root_rank: Optional[int] = None, process_set: ProcessSet = global_process_set) -> None:
@@ -143,21 +193,31 @@ def save_checkpoint(path: Union[str, os.PathLike], model: keras.Model, optimizer
     Raises:
         CheckpointError: on every rank, when the root could not write the file.
     """
+    _check_arguments("save_checkpoint", path, model)
     root_rank = _core.root_of(root_rank, "save_checkpoint", process_set)
+    if not hvddp.allgather_object(bool(model.built), name="__hvddp.keras.checkpoint.built",
+                                  process_set=process_set) == [True] * process_set.size():
+        raise _core.CheckpointError("save_checkpoint: the model is not built on every rank, so it has no "
+                                    "variables to save: build it first (call it on a batch, give it an "
+                                    "Input, or save after fit()).")
     _sync(model)
     shared, own = _split(model)
     optimizer = _optimizer(model, optimizer)
+    local = _local_ids(optimizer)
     per_rank = None
-    if rng:
+    if rng or local:
         mine = {"seeds": _values(own), "python": random.getstate(), "numpy": np.random.get_state(),
-                "backend": _backend_rng()}
+                "backend": _backend_rng()} if rng else {}
+        if local:  # this rank's own: its local variables, and its optimizer's variables (their slots)
+            mine["local"] = _values([v for v in shared if id(v) in local])
+            mine["optimizer"] = _values(optimizer.variables)
         per_rank = hvddp.allgather_object(mine, name="__hvddp.keras.checkpoint.rng", process_set=process_set)
 
     def data(f):  # the root gathers the state in here: a failure is reported on every rank
         state = {"format": FORMAT, "size": process_set.size(), "epoch": epoch, "step": step,
                  "variables": _values(shared),
                  "optimizer": _values(optimizer.variables) if optimizer is not None else None,
-                 "extra": extra, "rng": per_rank}
+                 "optimizer_kind": _kind(optimizer), "extra": extra, "rng": per_rank}
         pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
 
     _core.save_bytes(data if hvddp.rank() == root_rank else None, path, root_rank, process_set)
@@ -180,6 +240,7 @@ def load_checkpoint(path: Union[str, os.PathLike], model: keras.Model, optimizer
     Raises:
         CheckpointError: on every rank, when the file cannot be read or does not fit the model.
     """
+    _check_arguments("load_checkpoint", path, model)
     path = os.fspath(path)
     state = _core.load(path, None, root_rank, process_set)
     if state is None:
@@ -191,21 +252,36 @@ def load_checkpoint(path: Union[str, os.PathLike], model: keras.Model, optimizer
     shared, own = _split(model)
     _assign(shared, state["variables"], "model", path)
     optimizer = _optimizer(model, optimizer)
+    saved_kind = state.get("optimizer_kind")
+    if optimizer is not None and saved_kind is not None and _kind(optimizer) != saved_kind:
+        raise _core.CheckpointError(f"checkpoint {path!r} holds the state of a {saved_kind} optimizer, "
+                                    f"this model's is a {_kind(optimizer)}: its slots would load into the "
+                                    f"wrong variables. Compile with the optimizer that was saved.")
     if optimizer is not None and state["optimizer"] is not None:
         _assign(list(optimizer.variables), state["optimizer"], "optimizer", path)
-    if rng and state["rng"] is not None and len(state["rng"]) == process_set.size():
-        mine = state["rng"][process_set.rank()]
-        _assign(own, mine["seeds"], "seed-generator", path)
-        _set_global_rng(mine)
-        # Keras' first fit() on a model draws random numbers while it builds the train function;
-        # CheckpointCallback.on_train_begin sets these states again after that.
-        object.__setattr__(model, "_hvddp_pending_rng", mine)
-    elif rng and state["rng"] is not None and process_set.rank() == 0:
+    per_rank = state["rng"]
+    if per_rank is not None and len(per_rank) == process_set.size():
+        mine = per_rank[process_set.rank()]
+        if "local" in mine and optimizer is not None:  # this rank's local variables and optimizer variables
+            local = _local_ids(optimizer)
+            _assign([v for v in shared if id(v) in local], mine["local"], "local", path)
+            _assign(list(optimizer.variables), mine["optimizer"], "optimizer", path)
+            # every rank now holds the root's shared values and its own local ones: the broadcast
+            # callback of the next fit() would copy the root's optimizer slots of the local
+            # variables over this rank's, so it is skipped there (_restored_per_rank)
+            object.__setattr__(model, "_hvddp_restored_per_rank", _iterations(optimizer))
+        if rng and "seeds" in mine:
+            _assign(own, mine["seeds"], "seed-generator", path)
+            _set_global_rng(mine)
+            # Keras' first fit() on a model draws random numbers while it builds the train function;
+            # the callbacks' on_train_begin sets these states again after that (_settle_pending_rng)
+            object.__setattr__(model, "_hvddp_pending_rng", (mine, _iterations(optimizer)))
+    elif per_rank is not None and process_set.rank() == 0:
         import logging
 
         logging.getLogger("hvddp").warning(
-            "checkpoint %r was saved by %d ranks, this job has %d: RNG and seed-generator states "
-            "not restored.", path, len(state["rng"]), process_set.size())
+            "checkpoint %r was saved by %d ranks, this job has %d: RNG, seed-generator and local "
+            "variable states not restored (rank 0's are used).", path, len(per_rank), process_set.size())
     return {"epoch": state["epoch"], "step": state["step"], "extra": state["extra"]}
 
 
@@ -222,6 +298,9 @@ class CheckpointCallback(keras.callbacks.Callback):
     def __init__(self, path: Union[str, os.PathLike], every: int = 1, rng: bool = True,
                  process_set: ProcessSet = global_process_set, root_rank: Optional[int] = None) -> None:
         super().__init__()
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"CheckpointCallback: path must be a file path (str or os.PathLike); "
+                            f"Received: path={path!r}.")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"CheckpointCallback: every must be an int >= 1, got {every!r}.")
         self.path, self.every, self.rng, self.process_set = path, every, rng, process_set
@@ -229,9 +308,7 @@ class CheckpointCallback(keras.callbacks.Callback):
             if hvddp.is_initialized() else root_rank
 
     def on_train_begin(self, logs=None):
-        pending = self.model.__dict__.pop("_hvddp_pending_rng", None)
-        if pending is not None:
-            _set_global_rng(pending)
+        _settle_pending_rng(self.model)
 
     def on_epoch_end(self, epoch, logs=None):
         if (epoch + 1) % self.every == 0:
