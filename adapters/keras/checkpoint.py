@@ -254,9 +254,9 @@ def load_checkpoint(path: Union[str, os.PathLike], model: keras.Model, optimizer
     optimizer = _optimizer(model, optimizer)
     saved_kind = state.get("optimizer_kind")
     if optimizer is not None and saved_kind is not None and _kind(optimizer) != saved_kind:
-        raise _core.CheckpointError(f"checkpoint {path!r} holds the state of a {saved_kind} optimizer, "
-                                    f"this model's is a {_kind(optimizer)}: its slots would load into the "
-                                    f"wrong variables. Compile with the optimizer that was saved.")
+        raise _core.CheckpointError(f"checkpoint {path!r} holds the state of an optimizer of class "
+                                    f"{saved_kind}, this model's is {_kind(optimizer)}: its slots would load "
+                                    f"into the wrong variables. Compile with the optimizer that was saved.")
     if optimizer is not None and state["optimizer"] is not None:
         _assign(list(optimizer.variables), state["optimizer"], "optimizer", path)
     per_rank = state["rng"]
