@@ -972,6 +972,17 @@ def test_checkpoint_resume_keeps_each_ranks_local_layer():
         every = ops.convert_to_numpy(hvd.allgather(ops.convert_to_numpy(resumed.layers[-1].kernel)[None],
                                                    name="test.local.ckpt.kernel"))
         assert not np.array_equal(every[0], every[1])
+    if SIZE > 1:  # restored on rank 0 alone, then copied by the callback: the ranks must agree to copy
+        alone = hvd.add_process_set([0])
+        try:
+            again = build(30)
+            if RANK == 0:
+                load_checkpoint(path, again, process_set=alone)
+            again.fit(xs, ys, batch_size=GLOBAL_BATCH // SIZE, epochs=1, shuffle=False, verbose=0,
+                      callbacks=callbacks(again))  # (hung: rank 0 skipped the broadcast, rank 1 did not)
+            assert_replicas_identical(again.layers[0].get_weights(), "ckpt.alone")
+        finally:
+            hvd.remove_process_set(alone)
     other = keras.Sequential([keras.Input((5,)), layers.Dense(8, activation="tanh"), layers.Dense(3)])
     other.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.RMSprop(0.01)), loss="mse")
     with pytest.raises(hvd.HvddpError, match="holds the state of an optimizer of class Adam, this model's is RMSprop"):

@@ -77,16 +77,20 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         from .checkpoint import _restored_per_rank, _settle_pending_rng
 
         _settle_pending_rng(self.model)  # (a resume's RNG states, also without CheckpointCallback)
-        if _restored_per_rank(self.model):  # load_checkpoint made the ranks consistent, local state too
-            self.broadcast_done = True
         if self.broadcast_done:
             return
         if not self.process_set.included():  # trains on its own, as the optimizer does there
             self.broadcast_done = True
             return
-        built = hvddp.allreduce(np.array([int(bool(self.model.built))], dtype=np.int32), op=hvddp.Min,
-                                name="keras.bcast_cb.built", process_set=self.process_set)
-        if int(built[0]):
+        # ... and on skipping it when every rank's load_checkpoint just restored the ranks' own
+        # local state (the broadcast would copy the root's slots over it); a load on some ranks
+        # only (rank 0 restores, the callback copies) still broadcasts
+        flags = [int(bool(self.model.built)), int(_restored_per_rank(self.model))]
+        built, restored = hvddp.allreduce(np.array(flags, dtype=np.int32), op=hvddp.Min,
+                                          name="keras.bcast_cb.built", process_set=self.process_set)
+        if int(restored):
+            self.broadcast_done = True
+        elif int(built):
             self._broadcast()
 
     def on_train_batch_end(self, batch, logs=None):

@@ -156,7 +156,8 @@ def _settle_pending_rng(model) -> None:
     later ``fit`` would rewind the streams. Called by ``CheckpointCallback`` and
     ``BroadcastGlobalVariablesCallback`` at ``on_train_begin``, whichever comes first."""
     pending = model.__dict__.pop("_hvddp_pending_rng", None)
-    if pending is not None and _iterations(getattr(model, "optimizer", None)) == pending[1]:
+    # (loaded without an optimizer: fit has built one since, at iteration 0)
+    if pending is not None and _iterations(getattr(model, "optimizer", None)) in (pending[1], pending[1] or 0):
         _set_global_rng(pending[0])
 
 
@@ -250,20 +251,33 @@ def load_checkpoint(path: Union[str, os.PathLike], model: keras.Model, optimizer
                                     f"hvddp.keras.checkpoint.save_checkpoint.")
     _sync(model)
     shared, own = _split(model)
-    _assign(shared, state["variables"], "model", path)
     optimizer = _optimizer(model, optimizer)
     saved_kind = state.get("optimizer_kind")
     if optimizer is not None and saved_kind is not None and _kind(optimizer) != saved_kind:
         raise _core.CheckpointError(f"checkpoint {path!r} holds the state of an optimizer of class "
                                     f"{saved_kind}, this model's is {_kind(optimizer)}: its slots would load "
                                     f"into the wrong variables. Compile with the optimizer that was saved.")
+    local = _local_ids(optimizer)
+    per_rank = state["rng"]
+    matched = per_rank is not None and len(per_rank) == process_set.size()
+    mine = per_rank[process_set.rank()] if matched else {}
+    restore_local = "local" in mine and optimizer is not None and bool(local)
+    if restore_local and len(mine["local"]) != len(local):  # checked before anything is assigned
+        raise _core.CheckpointError(f"checkpoint {path!r} has {len(mine['local'])} local variables, this "
+                                    f"model's optimizer has {len(local)}: register the same local layers.")
+    _assign(shared, state["variables"], "model", path)
     if optimizer is not None and state["optimizer"] is not None:
         _assign(list(optimizer.variables), state["optimizer"], "optimizer", path)
-    per_rank = state["rng"]
-    if per_rank is not None and len(per_rank) == process_set.size():
-        mine = per_rank[process_set.rank()]
-        if "local" in mine and optimizer is not None:  # this rank's local variables and optimizer variables
-            local = _local_ids(optimizer)
+    if matched:
+        if "local" in mine and not restore_local and process_set.rank() == 0:
+            import logging  # (an evaluation job without local layers, or a model not compiled yet)
+
+            logging.getLogger("hvddp").warning(
+                "checkpoint %r holds each rank's local variables, but this model %s: every rank "
+                "gets rank 0's values of them.", path,
+                "has no optimizer yet (compile it before load_checkpoint to restore them)"
+                if optimizer is None else "registers no local variables")
+        if restore_local:  # this rank's local variables and optimizer variables
             _assign([v for v in shared if id(v) in local], mine["local"], "local", path)
             _assign(list(optimizer.variables), mine["optimizer"], "optimizer", path)
             # every rank now holds the root's shared values and its own local ones: the broadcast
