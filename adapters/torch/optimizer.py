@@ -31,6 +31,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 import hvddp
+from hvddp import _grouping
 from hvddp import Adasum, Average, HvddpError, MismatchError, ProcessSet, ReduceOp, Sum, global_process_set
 from hvddp.exceptions import KIND_MISMATCH
 from hvddp.ops import _op as _check_op
@@ -172,9 +173,7 @@ class _DistributedOptimizer(WrapperCommon):
         if gradient_predivide_factor != 1.0 and op is not Average:
             raise ValueError(f"`gradient_predivide_factor` applies only to op=Average, got op={op!r} "
                              f"with gradient_predivide_factor={gradient_predivide_factor}.")
-        if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
-            raise TypeError(f"`compression` must be one of hvddp.torch.Compression.none/fp16/bf16 (or "
-                            f"have compress/decompress), got {compression!r}.")
+        _grouping.check_compression(compression, "DistributedOptimizer")
         if not isinstance(process_set, ProcessSet):
             raise TypeError(f"`process_set` must be an hvddp.ProcessSet, got {type(process_set).__name__}.")
 
@@ -651,8 +650,6 @@ def _check_adasum_arguments(compression, backward_passes_per_step, gradient_pred
     if groups is not None:
         raise ValueError("DistributedOptimizer: `groups` (and num_groups) do not apply with op=Adasum: "
                          "each parameter's update is combined on its own, with its own coefficients.")
-    if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
-        raise TypeError(f"`compression` must be one of hvddp.torch.Compression.none/fp16/bf16 (or "
-                        f"have compress/decompress), got {compression!r}.")
+    _grouping.check_compression(compression, "DistributedOptimizer")
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"`process_set` must be an hvddp.ProcessSet, got {type(process_set).__name__}.")

@@ -60,7 +60,7 @@ class SyncBatchNorm(_BatchNorm):
         running_mean = self.running_mean if track else None
         running_var = self.running_var if track else None
         ps = self.process_set
-        if not (bn_training and self.training) or ps.size() == 1 or not ps.included():
+        if not self.training or ps.size() == 1 or not ps.included():  # (eval: no communication)
             return F.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                 bn_training, factor, self.eps)
         return self._sync_forward(input, running_mean, running_var, factor)

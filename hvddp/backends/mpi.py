@@ -74,8 +74,7 @@ def mpi_op(op: int, dtype) -> MPI.Op:
         return _BOOL_OPS[op]
     if (kind == "f" or dtype in ("float32", "float64")) and op in _FLOAT_OPS:
         return _FLOAT_OPS[op]
-    if op in (ReduceOp.SUM, ReduceOp.AVERAGE) and (dtype in ("int8", "uint8", "int16") or (
-            kind in "iu" and kind and getattr(dtype, "itemsize", 8) < 4)):
+    if op in (ReduceOp.SUM, ReduceOp.AVERAGE) and dtype in ("int8", "uint8", "int16"):  # (names or dtypes)
         return _SMALL_INT_SUM
     return _MPI_OPS[op]
 
