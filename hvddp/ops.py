@@ -57,7 +57,9 @@ _DTYPE_NAMES[np.dtype(ml_dtypes.bfloat16)] = "bfloat16"
 def _auto_name(kind: str, process_set: ProcessSet) -> str:
     """The next name for an unnamed call of ``kind`` on ``process_set``, counted per set (and
     per ``init()``): calls that only a set's members make must not shift the names of calls on
-    other sets. Take it only once the call is known to be valid: a refused call takes none."""
+    other sets. Taken once the process set is known to be valid, before the call's other
+    arguments are checked: a call refused for those takes its name and announces the refusal
+    (``_refusing``), as the ranks that made it validly took theirs."""
     ps_id = process_set.process_set_id
     return runtime._state().auto_names.take(f"{kind}.noname." if ps_id == 0 else f"{kind}.ps{ps_id}.noname.")
 
@@ -212,11 +214,45 @@ def _group_id(names: Sequence[str], ps_id: int) -> str:
     return hashlib.blake2b(f"{ps_id}\x00".encode() + "\x00".join(names).encode(), digest_size=8).hexdigest()
 
 
-def _submit(state, entries: List[Entry]) -> None:
+class _refusing:
+    """``with _refusing(state, view, kind, names):`` around the checks of a call's own arguments
+    (tensors, dtypes, op, factors, root, splits), once its names are known. When they raise
+    ``TypeError`` or ``ValueError`` here, this rank announces the refusal under those names and
+    the error propagates: a rank that made the call validly then fails with ``MismatchError``
+    naming this rank and the reason, instead of waiting for it forever."""
+
+    __slots__ = ("state", "view", "kind", "names")
+
+    def __init__(self, state, view, kind: Kind, names: Sequence[str]) -> None:
+        self.state, self.view, self.kind, self.names = state, view, kind, names
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None and issubclass(exc_type, (TypeError, ValueError)) and self.names:
+            ps_id = self.view.owner.process_set_id
+            names = self.names
+            group = (_group_id(names, ps_id), len(names)) if len(names) > 1 else None
+            why = f"{exc_type.__name__}: {exc}"
+            handle = Handle(names[0], parts=len(names))
+            now = time.monotonic()
+            entries = [Entry(Request(self.kind, ps_id, n, "", (), group=group, refused=why), None, None,
+                             handle, i, now) for i, n in enumerate(names)]
+            _group_keys(entries)
+            self.state.engine.submit_refused(entries)
+        return False
+
+
+def _group_keys(entries: List[Entry]) -> None:
     if len(entries) > 1:
         keys = tuple(e.key for e in entries)
         for e in entries:
             e.group_keys = keys
+
+
+def _submit(state, entries: List[Entry]) -> None:
+    _group_keys(entries)
     state.engine.submit(entries)
 
 
@@ -280,22 +316,23 @@ def _allreduce(fn: str, tensors: Sequence[Any], average, name, op, prescale_fact
         if handle is not None:
             return handle
     state, view = _process_set(process_set, fn)
-    op = _op(op, average, fn, adasum=True)
-    if op is ReduceOp.ADASUM:
-        _check_adasum_size(view.size, process_set, fn)
-    pre = _factor(prescale_factor, fn, "prescale_factor")
-    post = _factor(postscale_factor, fn, "postscale_factor")
     name = _check_name(name, fn)
-    arrays = [_array(t, fn, f"tensors[{i}]" if grouped else "tensor") for i, t in enumerate(tensors)]
-    for i, (a, t) in enumerate(zip(arrays, tensors)):
-        arg = f"tensors[{i}]" if grouped else "tensor"
-        _check_reduce(a, op, fn, arg, pre, post)
-        if inplace:
-            _check_inplace(fn, arg, t, a)
     if grouped:
-        base, names = _member_names(fn, name, names, len(arrays), "grouped_allreduce", process_set)
+        base, names = _member_names(fn, name, names, len(tensors), "grouped_allreduce", process_set)
     else:
         names = [name or _auto_name("allreduce", process_set)]
+    with _refusing(state, view, Kind.ALLREDUCE, names):
+        op = _op(op, average, fn, adasum=True)
+        if op is ReduceOp.ADASUM:
+            _check_adasum_size(view.size, process_set, fn)
+        pre = _factor(prescale_factor, fn, "prescale_factor")
+        post = _factor(postscale_factor, fn, "postscale_factor")
+        arrays = [_array(t, fn, f"tensors[{i}]" if grouped else "tensor") for i, t in enumerate(tensors)]
+        for i, (a, t) in enumerate(zip(arrays, tensors)):
+            arg = f"tensors[{i}]" if grouped else "tensor"
+            _check_reduce(a, op, fn, arg, pre, post)
+            if inplace:
+                _check_inplace(fn, arg, t, a)
     handle = Handle(base if grouped else names[0], parts=len(arrays), keep=tensors, grouped=grouped)
     group = (_group_id(names, view.owner.process_set_id), len(names)) if grouped and len(names) > 1 else None
     entries = [_entry(Kind.ALLREDUCE, a, n, view, handle, i, inplace, op=int(op), prescale=pre,
@@ -414,17 +451,23 @@ def _seq(tensors: Any, fn: str) -> list:
 
 # allgather --------------------------------------------------------------------------------
 def _gather_like(kind: Kind, fn: str, tensors: Sequence[Any], name, process_set, grouped: bool,
-                 finish: Optional[Callable] = None, **fields) -> Handle:
+                 finish: Optional[Callable] = None, check: Optional[Callable] = None, **fields) -> Handle:
+    """allgather, alltoall and reducescatter: ``check(arrays, view)`` checks the kind's own
+    arguments and returns the arrays to send and the request's fields."""
     state, view = _process_set(process_set, fn)
     name = _check_name(name, fn)
-    arrays = [_array(t, fn, f"tensors[{i}]" if grouped else "tensor") for i, t in enumerate(tensors)]
-    for i, a in enumerate(arrays):
-        if a.ndim == 0:
-            raise ValueError(f"{fn}: {'tensors[%d]' % i if grouped else 'tensor'} is 0-d; {kind.value} "
-                             f"works on the first dimension, so pass at least a 1-d array "
-                             f"(e.g. x.reshape(1)).")
     base = name or _auto_name(f"grouped_{kind.value}" if grouped else kind.value, process_set)
-    names = [f"{base}.{i}" for i in range(len(arrays))] if grouped else [base]
+    names = [f"{base}.{i}" for i in range(len(tensors))] if grouped else [base]
+    with _refusing(state, view, kind, names):
+        arrays = [_array(t, fn, f"tensors[{i}]" if grouped else "tensor") for i, t in enumerate(tensors)]
+        for i, a in enumerate(arrays):
+            if a.ndim == 0:
+                raise ValueError(f"{fn}: {'tensors[%d]' % i if grouped else 'tensor'} is 0-d; {kind.value} "
+                                 f"works on the first dimension, so pass at least a 1-d array "
+                                 f"(e.g. x.reshape(1)).")
+        if check is not None:
+            arrays, more = check(arrays, view)
+            fields.update(more)
     handle = Handle(base, parts=len(arrays), keep=tensors, finish=finish, grouped=grouped)
     group = (_group_id(names, view.owner.process_set_id), len(names)) if grouped and len(names) > 1 else None
     entries = [_entry(kind, a, n, view, handle, i, group=group, **fields)
@@ -481,12 +524,12 @@ def _root(fn: str, root_rank, view, process_set) -> int:
 
 def _broadcast(fn: str, tensor, root_rank, name, process_set, inplace: bool) -> Handle:
     state, view = _process_set(process_set, fn)
-    root_rank = _root(fn, root_rank, view, process_set)
-    name = _check_name(name, fn)
-    array = _array(tensor, fn)
-    if inplace:
-        _check_inplace(fn, "tensor", tensor, array)
-    name = name or _auto_name("broadcast", process_set)
+    name = _check_name(name, fn) or _auto_name("broadcast", process_set)
+    with _refusing(state, view, Kind.BROADCAST, [name]):
+        root_rank = _root(fn, root_rank, view, process_set)
+        array = _array(tensor, fn)
+        if inplace:
+            _check_inplace(fn, "tensor", tensor, array)
     handle = Handle(name, keep=tensor)
     _submit(state, [_entry(Kind.BROADCAST, array, name, view, handle, 0, inplace, root=root_rank)])
     return handle
@@ -530,11 +573,13 @@ def alltoall_async(tensor: np.ndarray, splits: Optional[Sequence[int]] = None, n
     (None or empty, as Horovod reads an empty list) the first dimension is split evenly and
     must divide by the set's size. The handle's result is ``(output, received_splits)``.
     """
+    return _gather_like(Kind.ALLTOALL, "alltoall", [tensor], name, process_set, False,
+                        check=lambda arrays, view: _alltoall_splits(arrays[0], splits, view))
+
+
+def _alltoall_splits(array, splits, view):
+    """alltoall's rows to send (the first ``sum(splits)``) and its ``splits`` field, checked."""
     fn = "alltoall"
-    state, view = _process_set(process_set, fn)
-    array = _array(tensor, fn)
-    if array.ndim == 0:
-        raise ValueError(f"{fn}: tensor is 0-d; pass at least a 1-d array.")
     rows = array.shape[0]
     if splits is not None and not isinstance(splits, (str, bytes)) and np.size(splits) == 0:
         splits = None
@@ -553,7 +598,7 @@ def alltoall_async(tensor: np.ndarray, splits: Optional[Sequence[int]] = None, n
                              f"set) summing to at most the first dimension ({rows}), got {splits!r}.")
         if sum(splits) < rows:
             array = array[:sum(splits)]
-    return _gather_like(Kind.ALLTOALL, fn, [array], name, process_set, False, splits=tuple(splits))
+    return [array], {"splits": tuple(splits)}
 
 
 def alltoall(tensor: np.ndarray, splits: Optional[Sequence[int]] = None, name: Optional[str] = None,
@@ -569,14 +614,15 @@ def alltoall(tensor: np.ndarray, splits: Optional[Sequence[int]] = None, name: O
 
 # reducescatter ----------------------------------------------------------------------------
 def _reducescatter(fn, tensors, name, op, process_set, prescale_factor, postscale_factor, grouped):
-    op = _op(op, None, fn)
-    pre = _factor(prescale_factor, fn, "prescale_factor")
-    post = _factor(postscale_factor, fn, "postscale_factor")
-    arrays = [_array(t, fn, f"tensors[{i}]" if grouped else "tensor") for i, t in enumerate(tensors)]
-    for i, a in enumerate(arrays):
-        _check_reduce(a, op, fn, f"tensors[{i}]" if grouped else "tensor", pre, post)
-    return _gather_like(Kind.REDUCESCATTER, fn, arrays, name, process_set, grouped, op=int(op),
-                        prescale=pre, postscale=post)
+    def check(arrays, view):
+        op_ = _op(op, None, fn)
+        pre = _factor(prescale_factor, fn, "prescale_factor")
+        post = _factor(postscale_factor, fn, "postscale_factor")
+        for i, a in enumerate(arrays):
+            _check_reduce(a, op_, fn, f"tensors[{i}]" if grouped else "tensor", pre, post)
+        return arrays, {"op": int(op_), "prescale": pre, "postscale": post}
+
+    return _gather_like(Kind.REDUCESCATTER, fn, tensors, name, process_set, grouped, check=check)
 
 
 def reducescatter_async(tensor: np.ndarray, name: Optional[str] = None, op: Optional[ReduceOp] = None,
@@ -679,9 +725,10 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Return ``root_rank``'s picklable ``obj`` on every rank (two broadcasts: size, bytes)."""
     name = _check_name(name, "broadcast_object")
-    _, view = _process_set(process_set, "broadcast_object")
-    is_root = view.rank == _root("broadcast_object", root_rank, view, process_set)
+    state, view = _process_set(process_set, "broadcast_object")
     name = name or _auto_name("broadcast_object", process_set)
+    with _refusing(state, view, Kind.BROADCAST, [f"{name}.size"]):
+        is_root = view.rank == _root("broadcast_object", root_rank, view, process_set)
     data, failure = _pickled(obj) if is_root else (None, None)
     length = np.array([data.size if data is not None else -1], dtype=np.int64)
     length = broadcast(length, root_rank, f"{name}.size", process_set)

@@ -289,24 +289,71 @@ def test_duplicate_pending_name_is_a_value_error():
     hvddp.allreduce(np.ones(2), name="dup")  # fine once the first finished
 
 
-def test_a_refused_call_takes_no_automatic_name():
-    """Rank 0 alone makes in-place calls that are refused (read-only, not an array) and goes
-    on: the next unnamed calls must still carry the same names on every rank, or they would
-    never meet (the names are compared before waiting, so a regression fails, not hangs)."""
+def test_a_call_refused_on_one_rank_fails_on_every_rank_and_keeps_names_in_step():
+    """Rank 0 alone passes arguments that are bad in themselves (a read-only or non-array
+    in-place target, bool with Sum, an integer with Adasum, splits that do not fit, a root
+    outside the set) to calls the others make validly: rank 0 raises at once, and the others
+    fail with MismatchError naming rank 0 and the reason, instead of waiting for it. The next
+    unnamed calls still carry the same names on every rank (the refused ones took theirs), and a
+    retry under the same name meets. (Before, the others waited for rank 0 forever.)"""
     frozen = np.ones(3)
     frozen.setflags(write=False)
-    if R == 0:
-        for call in (lambda: hvddp.broadcast_(frozen, 0), lambda: hvddp.allreduce_(frozen),
-                     lambda: hvddp.grouped_allreduce_([frozen]), lambda: hvddp.broadcast_([1.0], 0),
-                     lambda: hvddp.allreduce_([1.0])):
-            with pytest.raises((ValueError, TypeError), match="read-only|numpy array"):
+    bad = R == 0
+    calls = [
+        ("broadcast_", lambda: hvddp.broadcast_(frozen if bad else np.ones(3), 0)),
+        ("allreduce_", lambda: hvddp.allreduce_(frozen if bad else np.ones(3))),
+        ("grouped_allreduce_", lambda: hvddp.grouped_allreduce_([np.ones(1), frozen if bad else np.ones(3)])),
+        ("broadcast_", lambda: hvddp.broadcast_([1.0] if bad else np.ones(1), 0)),
+        ("allreduce", lambda: hvddp.allreduce(np.ones(2, bool) if bad else np.ones(2), op=hvddp.Sum)),
+        ("allreduce", lambda: hvddp.allreduce(np.ones(2, np.int32) if bad else np.ones(2), op=hvddp.Adasum)
+         if POWER_OF_TWO else hvddp.allreduce(np.ones(2, bool) if bad else np.ones(2), op=hvddp.Product)),
+        ("alltoall", lambda: hvddp.alltoall(np.ones(N), splits=[2] * N if bad else [1] * N)),
+        ("reducescatter", lambda: hvddp.reducescatter(np.ones(N), prescale_factor=float("nan") if bad else 1.0)),
+        ("broadcast", lambda: hvddp.broadcast(np.ones(2), N + 3 if bad else 0)),
+        ("broadcast_object", lambda: hvddp.broadcast_object("x", root_rank=-1 if bad else 0)),
+    ]
+    for fn, call in calls:
+        if bad:
+            with pytest.raises((ValueError, TypeError), match=fn):
+                call()
+        else:
+            with pytest.raises(hvddp.MismatchError, match=rf"was refused on rank\(s\) \[0\] \(\w+Error: {fn}"):
                 call()
     handles = [hvddp.broadcast_async(np.full(2, float(R)), 0), hvddp.allreduce_async(np.ones(2)),
-               hvddp.grouped_allreduce_async([np.ones(2)])]
+               hvddp.grouped_allreduce_async([np.ones(2)]), hvddp.alltoall_async(np.ones(N))]
     names = [h.name for h in handles]
     assert hvddp.allgather_object(names) == [names] * N
     for h in handles:
         h.wait()
+    # a retry under the refused name, at once: it waits for the refusal to meet, then runs
+    if bad:
+        with pytest.raises(ValueError, match="bool"):
+            hvddp.allreduce(np.ones(2, bool), op=hvddp.Sum, name="refused.retry")
+    else:
+        with pytest.raises(hvddp.MismatchError, match="refused on rank"):
+            hvddp.allreduce(np.ones(2), op=hvddp.Sum, name="refused.retry")
+    np.testing.assert_array_equal(hvddp.allreduce(np.ones(2), op=hvddp.Sum, name="refused.retry"), [N, N])
+    # every rank refusing, then retrying at once: nothing waits on anyone
+    with pytest.raises(ValueError, match="bool"):
+        hvddp.allreduce(np.ones(2, bool), op=hvddp.Sum, name="refused.all")
+    np.testing.assert_array_equal(hvddp.allreduce(np.ones(2), op=hvddp.Sum, name="refused.all"), [N, N])
+
+
+def test_a_refusal_of_a_cached_call_fails_on_every_rank():
+    """In steady state the others announce a name through the response cache (one bit), while
+    rank N-1 refuses it this time: the refusal still reaches them (the cached entry is evicted
+    and they renegotiate), and the next steps run as before."""
+    x = np.ones(4, np.float32)
+    for _ in range(3):
+        hvddp.allreduce(x, op=hvddp.Sum, name="refused.cached")
+    if R == N - 1:
+        with pytest.raises(ValueError, match="bool"):
+            hvddp.allreduce(np.ones(4, bool), op=hvddp.Sum, name="refused.cached")
+    else:
+        with pytest.raises(hvddp.MismatchError, match=rf"refused on rank\(s\) \[{N - 1}\]"):
+            hvddp.allreduce_async(x, op=hvddp.Sum, name="refused.cached").wait(timeout=30)
+    for _ in range(3):
+        np.testing.assert_array_equal(hvddp.allreduce(x, op=hvddp.Sum, name="refused.cached"), np.full(4, N))
 
 
 MISMATCHES = {
@@ -739,5 +786,5 @@ def test_adasum_refusals_name_the_argument_on_every_rank():
         hvddp.grouped_allreduce([np.ones(2), np.ones(2, np.int32)], op=hvddp.Adasum)
     with pytest.raises(ValueError, match="op=Adasum applies to allreduce and grouped_allreduce only"):
         hvddp.reducescatter(np.ones(4), op=hvddp.Adasum)
-    # nothing was submitted: the engine still serves the next call on every rank
+    # only refusals were announced: the engine still serves the next call on every rank
     np.testing.assert_array_equal(hvddp.allreduce(np.ones(2), op=hvddp.Sum, name="adasum.after"), np.full(2, N))

@@ -3,7 +3,9 @@
 Only requests that missed the response cache reach here (the slow path). A name is ready when
 every member of its process set that has not joined has announced it. Ready names are checked
 field by field; a disagreement becomes an error response that every member raises, naming the
-tensor, the field and each rank's value. Grouped requests are released together.
+tensor, the field and each rank's value. A request that its rank refused (it raised there at
+once, for an argument bad in itself) carries the reason and fails the name on every rank.
+Grouped requests are released together.
 """
 
 from __future__ import annotations
@@ -237,6 +239,16 @@ class Coordinator:
         by_rank = waiting.requests
         requests = [(r, by_rank[r]) for r in ps.ranks if r in by_rank]
         first = requests[0][1]
+        refused: Dict[str, List[int]] = {}
+        for r, q in requests:
+            if q.refused is not None:
+                refused.setdefault(q.refused, []).append(r)
+        if refused:  # before the fields: a refused request carries none of its arguments
+            return Response(first.kind, key[0], key[1],
+                            f"{first.kind.value} {key[1]!r} was refused on "
+                            + "; on ".join(f"rank(s) {ranks} ({why})" for why, ranks in refused.items())
+                            + ", which raised at once; no rank runs it. Fix the call on those ranks.",
+                            first)
         kinds = {r: q.kind.value for r, q in requests}
         if len(set(kinds.values())) > 1:
             return Response(first.kind, key[0], key[1],

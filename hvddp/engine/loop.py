@@ -29,7 +29,7 @@ from ..exceptions import HvddpError, MismatchError, ShutdownError, StallError
 from .cache import ResponseCache
 from .coordinator import Coordinator, Decision
 from .executor import Entry, Executor
-from ..handles import defer_wakeups, wake_deferred
+from ..handles import Handle, defer_wakeups, wake_deferred
 from .messages import Kind
 from .names import AutoNames
 
@@ -66,6 +66,7 @@ class Engine:
         self._sleeping = False
         self._queue: List[Entry] = []
         self._names: set = set()
+        self._refused: Dict[tuple, Handle] = {}  # key -> the handle of a refused call's request
         self._pending: Dict[tuple, Entry] = {}
         self._join_mode = False
         self._shutdown_requested = False
@@ -83,21 +84,42 @@ class Engine:
 
     # User thread -------------------------------------------------------------------------
     def submit(self, entries: List[Entry]) -> None:
-        """Queue entries (all or none); a name already pending is a ``ValueError``."""
+        """Queue entries (all or none); a name already pending is a ``ValueError``. A name still
+        held by a refused call (``submit_refused``: the caller raised, and may now be retrying)
+        is waited for instead, until the other ranks' calls have met it."""
+        while True:
+            with self._lock:
+                if self._error is not None:
+                    raise type(self._error)(str(self._error))
+                keys = [e.key for e in entries]
+                refused = next((self._refused[k] for k in keys if k in self._refused), None)
+                if refused is None:
+                    for key in keys:
+                        if key in self._names:
+                            raise ValueError(
+                                f"a collective named {key[1]!r} is already pending; wait for it (or "
+                                f"give this one another name) before submitting it again.")
+                    if len(set(keys)) != len(keys):
+                        dup = next(k for k in keys if keys.count(k) > 1)
+                        raise ValueError(f"the name {dup[1]!r} appears twice in one grouped call; "
+                                         f"names must be unique.")
+                    self._names.update(keys)
+                    self._queue.extend(entries)
+                    self._cv.notify()
+                    return
+            refused.wait_quietly()
+
+    def submit_refused(self, entries: List[Entry]) -> None:
+        """Announce calls this rank refused (their requests carry the reason), so that ranks
+        which made them validly fail with a ``MismatchError`` instead of waiting for this one.
+        Names already pending here are left alone: that earlier call meets the others."""
         with self._lock:
-            if self._error is not None:
-                raise type(self._error)(str(self._error))
-            keys = [e.key for e in entries]
-            for key in keys:
-                if key in self._names:
-                    raise ValueError(
-                        f"a collective named {key[1]!r} is already pending; wait for it (or give "
-                        f"this one another name) before submitting it again.")
-            if len(set(keys)) != len(keys):
-                dup = next(k for k in keys if keys.count(k) > 1)
-                raise ValueError(f"the name {dup[1]!r} appears twice in one grouped call; names "
-                                 f"must be unique.")
-            self._names.update(keys)
+            if self._error is not None or any(e.key in self._names for e in entries):
+                return
+            for entry in entries:
+                entry.sig = None  # never announced through the cache: rank 0 must see the reason
+                self._refused[entry.key] = entry.handle
+            self._names.update(e.key for e in entries)
             self._queue.extend(entries)
             self._cv.notify()
 
@@ -353,6 +375,7 @@ class Engine:
                 if entry is not None:
                     with self._lock:
                         self._names.discard(response.key())
+                        self._refused.pop(response.key(), None)
                     entry.fail(MismatchError(response.error))
                 continue
             kind = response.kind
@@ -379,6 +402,7 @@ class Engine:
                 for e in orphans:
                     self._pending.pop(e.key, None)
                     self._names.discard(e.key)
+                    self._refused.pop(e.key, None)
             if self.coordinator is not None:  # rank 0 forgets them too: no stall, no late answer
                 self.coordinator.forget_process_set(ps_id)
             for e in orphans:
@@ -408,5 +432,6 @@ class Engine:
             self._pending.clear()
             self._queue = []
             self._names.clear()
+            self._refused.clear()
         for entry in entries:
             entry.fail(type(error)(f"{entry.request.kind.value} {entry.request.name!r}: {error}"))

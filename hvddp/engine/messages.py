@@ -54,6 +54,8 @@ class Request(NamedTuple):
     splits: Optional[Tuple[int, ...]] = None
     group: Optional[Tuple[str, int]] = None  # (group id, number of members)
     extra: Optional[tuple] = None  # process-set ranks for ADD_PROCESS_SET
+    # why this rank refused the call (it raised at once): the others must fail, not wait for it
+    refused: Optional[str] = None
 
     def key(self) -> tuple:
         return (self.ps_id, self.name)
