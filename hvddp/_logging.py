@@ -9,6 +9,7 @@ log = logging.getLogger("hvddp")
 _LEVELS = {"TRACE": 5, "DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING,
            "ERROR": logging.ERROR, "FATAL": logging.CRITICAL}
 _handler = None
+logging.addLevelName(_LEVELS["TRACE"], "TRACE")
 
 
 class _RankFilter(logging.Filter):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import logging
 import numbers
 import os
 import sys
@@ -178,6 +179,24 @@ def _import_mpi():
             "mpi4py is not importable: `pip install mpi4py mpich` (or build mpi4py against your "
             f"cluster's MPI). Original error: {exc}") from exc
     return MPI
+
+
+def _log_start(state, MPI) -> None:
+    """HVDDP_LOG_LEVEL=INFO (or lower): one line from rank 0 with the job and the settings."""
+    if not _logging.log.isEnabledFor(logging.INFO):
+        return
+    cfg = state.config
+    levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+              MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+    _logging.log.info(
+        "initialized: %d rank(s), %d on this node, %d node(s); %s, thread level %s; fusion %d bytes, "
+        "cycle %g ms, MPI pieces %d bytes, response cache %d, single-copy %s (from %d bytes), "
+        "stall check %g s%s, timeline %s", state.size, state.local_size, state.cross_size,
+        " ".join(MPI.Get_library_version().splitlines()[0].split()), levels.get(state.thread_level, state.thread_level),
+        cfg.fusion_threshold_bytes, cfg.cycle_time_ms, cfg.mpi_chunk_bytes, cfg.cache_capacity,
+        "allowed" if cfg.cma else "off", cfg.cma_threshold_bytes, cfg.stall_check_time_s,
+        f", shutdown after {cfg.stall_shutdown_time_s:g} s" if cfg.stall_shutdown_time_s > 0 else "",
+        cfg.timeline or "off")
 
 
 _LAUNCHER_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
@@ -373,6 +392,8 @@ def init(comm=None, process_sets: Union[None, str, Sequence[ProcessSet]] = None)
 
         state.engine = Engine(state.comm, cfg, state.process_sets, make_process_set, state.timeline,
                           state.auto_names)
+        if state.rank == 0:
+            _log_start(state, MPI)
         _S = state
         if not _atexit_registered:
             atexit.register(shutdown)

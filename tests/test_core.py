@@ -144,6 +144,24 @@ def test_launcher_mismatch_is_refused():
     assert "LauncherMismatchError" in result.stderr and "OMPI_COMM_WORLD_SIZE=2" in result.stderr, result.stderr
 
 
+def test_log_levels_say_what_the_engine_does():
+    """HVDDP_LOG_LEVEL=TRACE: rank 0's one INFO line with the job and settings, every rank's
+    DEBUG line per negotiation round naming the tensors, and a TRACE line per cycle that ran
+    collectives, counting those that came through the response cache; the default level
+    (WARNING) prints none of them."""
+    script = os.path.join(ROOT, "examples", "numpy_least_squares.py")
+    out = run(2, [script], timeout=60, env={"HVDDP_LOG_LEVEL": "TRACE"}).stdout
+    info = [l for l in out.splitlines() if " INFO: initialized:" in l]
+    assert len(info) == 1 and "[hvddp rank 0] INFO" in info[0] and "2 rank(s)" in info[0], out
+    assert "fusion 1048576 bytes" in info[0] and "thread level" in info[0], info
+    for r in (0, 1):
+        assert f"[hvddp rank {r}] DEBUG: negotiation: sent 1 request(s) ('grad'); agreed 1 ('allreduce grad')" in out, out
+        assert f"[hvddp rank {r}] TRACE: cycle: running 1 collective(s), 1 of them announced through the " \
+               f"response cache: 'allreduce grad'" in out, out
+    quiet = run(2, [script], timeout=60).stdout
+    assert "[hvddp rank" not in quiet, quiet
+
+
 def test_shutdown_fails_pending_handles_on_every_rank():
     script = os.path.join(ROOT, "tests", "mpi_core_shutdown.py")
     out = run(2, [script], timeout=60).stdout

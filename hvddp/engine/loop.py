@@ -39,6 +39,13 @@ NEW, BIT, UNSENT, SENT = 0, 1, 2, 3
 FLAG_NO_UNSENT = 0x01
 FLAG_NOT_SHUTDOWN = 0x02
 IDLE_WAIT_S = 0.05
+TRACE = 5  # HVDDP_LOG_LEVEL=TRACE: a line per cycle that ran collectives
+
+
+def _listed(names: Sequence[str], limit: int = 12) -> str:
+    """Names for a log line: the first ``limit`` and how many more."""
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 
@@ -79,6 +86,8 @@ class Engine:
         if config.stall_shutdown_time_s > 0:
             stall = min(stall, config.stall_shutdown_time_s)
         self._demote_s = max(0.05, min(2.0, stall / 4))
+        self._debug = log.isEnabledFor(logging.DEBUG)  # (the level is set before the engine starts)
+        self._trace = log.isEnabledFor(TRACE)
         self._thread = threading.Thread(target=self._run, name="hvddp-engine", daemon=True)
         self._thread.start()
 
@@ -212,6 +221,7 @@ class Engine:
             return False
 
         work = self._fast_ready(bits) if self.cache.capacity else []
+        cached = len(work)
         set_changes = []  # process sets to add or remove once this cycle's collectives ran
         if not flags & FLAG_NO_UNSENT:
             decision = self._slow_round(unsent, now)
@@ -219,6 +229,9 @@ class Engine:
                 self._stop_with(StallError(decision.fatal), [entry for _, entry, _ in work if entry is not None])
                 return False
             work.extend(self._apply(decision, set_changes))
+        if work and self._trace:
+            log.log(TRACE, "cycle: running %d collective(s), %d of them announced through the response "
+                    "cache: %s", len(work), cached, _listed([f"{q.kind.value} {q.name}" for q, _, _ in work]))
         if work:
             with self._lock:
                 for _, entry, _ in work:
@@ -354,7 +367,24 @@ class Engine:
         mpi_backend.wait(comm.Ibcast([blob, MPI.BYTE], root=0))
         if self.rank != 0:
             decision = pickle.loads(blob.tobytes())
+        if self._debug:
+            self._log_round(unsent, decision)
         return decision
+
+    def _log_round(self, unsent: List[Entry], decision: Decision) -> None:
+        """HVDDP_LOG_LEVEL=DEBUG: what this rank sent to rank 0 and what rank 0 decided; rank 0
+        also says which names still wait for which ranks."""
+        done = [f"{r.kind.value} {r.name}" for r in decision.responses if r.error is None]
+        failed = [f"{r.kind.value} {r.name}" for r in decision.responses if r.error is not None]
+        log.debug("negotiation: sent %d request(s)%s; agreed %d%s; failed %d%s%s", len(unsent),
+                  f" ({_listed([e.request.name + (' refused' if e.request.refused else '') for e in unsent])})"
+                  if unsent else "",
+                  len(done), f" ({_listed(done)})" if done else "",
+                  len(failed), f" ({_listed(failed)})" if failed else "",
+                  f"; response cache evicts {_listed([k[1] for k in decision.evict])}" if decision.evict else "")
+        if self.coordinator is not None and self.coordinator.table:
+            waiting = [f"{key[1]} (from ranks {sorted(w.requests)})" for key, w in self.coordinator.table.items()]
+            log.debug("negotiation: still waiting: %s", _listed(waiting))
 
     def _apply(self, decision: Decision, set_changes: list) -> list:
         """This rank's share of ``decision``: the collectives to execute now; process-set
