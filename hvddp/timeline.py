@@ -1,7 +1,8 @@
 """A Chrome-trace (JSON array) timeline of every collective, written by rank 0.
 
 Open the file in Perfetto (ui.perfetto.dev) or chrome://tracing. Each tensor is a row named
-``<kind>.<name>`` (``allreduce.grad.fc1.weight``): a ``NEGOTIATE_<KIND>`` span with an instant
+``<kind>.<name>`` (``allreduce.grad.fc1.weight``; on a process set other than the global one,
+followed by `` (process set <id>)``): a ``NEGOTIATE_<KIND>`` span with an instant
 mark per rank as that rank announces it, then the ``<KIND>`` span with its phases
 (``MEMCPY_IN_FUSION_BUFFER``, ``MPI_ALLREDUCE``, ``MEMCPY_OUT_FUSION_BUFFER``). With
 ``HVDDP_TIMELINE_MARK_CYCLES=1`` every engine cycle is a ``CYCLE_START`` mark.
@@ -30,10 +31,10 @@ class Timeline:
         self._lock = threading.Lock()
         self._file = None
         self._t0 = 0.0
-        self._pids: Dict[str, int] = {}
-        self._open_spans: Dict[str, list] = {}  # name -> stack of open span names
+        self._pids: Dict[tuple, int] = {}  # (process set id, name) -> its row
+        self._open_spans: Dict[tuple, list] = {}  # (process set id, name) -> stack of open span names
         self.mark_cycles = False
-        self._kinds: Dict[str, str] = {}
+        self._kinds: Dict[tuple, str] = {}
 
     @classmethod
     def from_config(cls, config, rank: int, tag: str = "") -> "Timeline":
@@ -79,9 +80,9 @@ class Timeline:
     def _close_locked(self) -> None:
         if self._file is None:
             return
-        for name, stack in self._open_spans.items():
+        for key, stack in self._open_spans.items():
             while stack:
-                self._event(name, "E", stack.pop())
+                self._event(key, "E", stack.pop())
         file, self._file = self._file, None
         if file is None:  # (a write above failed and gave up the file)
             return
@@ -114,17 +115,20 @@ class Timeline:
         except OSError:
             pass
 
-    def _pid(self, name: str) -> int:
-        pid = self._pids.get(name)
+    def _pid(self, key: tuple) -> int:
+        pid = self._pids.get(key)
         if pid is None:
-            pid = self._pids[name] = len(self._pids) + 1
-            label = f"{self._kinds.get(name, 'allreduce')}.{name}"
+            pid = self._pids[key] = len(self._pids) + 1
+            ps_id, name = key
+            label = f"{self._kinds.get(key, 'allreduce')}.{name}"
+            if ps_id:  # the same name may be used on several sets: a row per set
+                label += f" (process set {ps_id})"
             self._emit({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": label}})
             self._emit({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}})
         return pid
 
-    def _event(self, name: str, phase: str, what: str, args: Optional[dict] = None) -> None:
-        event = {"name": what, "ph": phase, "ts": self._now(), "pid": self._pid(name), "tid": 0}
+    def _event(self, key: tuple, phase: str, what: str, args: Optional[dict] = None) -> None:
+        event = {"name": what, "ph": phase, "ts": self._now(), "pid": self._pid(key), "tid": 0}
         if phase == "i":
             event["s"] = "p"
         if args:
@@ -140,49 +144,49 @@ class Timeline:
         return wrapper
 
     @_locked
-    def negotiate_start(self, name: str, kind: str) -> None:
-        self._kinds[name] = kind
-        stack = self._open_spans.setdefault(name, [])
+    def negotiate_start(self, key: tuple, kind: str) -> None:
+        self._kinds[key] = kind
+        stack = self._open_spans.setdefault(key, [])
         span = f"NEGOTIATE_{kind.upper()}"
         if span not in stack:
-            self._event(name, "B", span)
+            self._event(key, "B", span)
             stack.append(span)
 
     @_locked
-    def negotiate_rank_ready(self, name: str, rank: int) -> None:
-        self._event(name, "i", str(rank), {"rank": rank})
+    def negotiate_rank_ready(self, key: tuple, rank: int) -> None:
+        self._event(key, "i", str(rank), {"rank": rank})
 
     @_locked
-    def negotiate_end(self, name: str) -> None:
-        stack = self._open_spans.get(name)
+    def negotiate_end(self, key: tuple) -> None:
+        stack = self._open_spans.get(key)
         if stack and stack[-1].startswith("NEGOTIATE_"):
-            self._event(name, "E", stack.pop())
+            self._event(key, "E", stack.pop())
 
     @_locked
-    def activities(self, names: Iterable[str], activity: str) -> None:
-        """Enter ``activity`` for each name (ending its previous one; opening the op span)."""
-        for name in names:
-            stack = self._open_spans.setdefault(name, [])
+    def activities(self, keys: Iterable[tuple], activity: str) -> None:
+        """Enter ``activity`` for each key (ending its previous one; opening the op span)."""
+        for key in keys:
+            stack = self._open_spans.setdefault(key, [])
             if stack and stack[-1].startswith("NEGOTIATE_"):
-                self._event(name, "E", stack.pop())
+                self._event(key, "E", stack.pop())
             if not stack:
-                kind = self._kinds.get(name, "allreduce").upper()
-                self._event(name, "B", kind)
+                kind = self._kinds.get(key, "allreduce").upper()
+                self._event(key, "B", kind)
                 stack.append(kind)
             elif len(stack) > 1:
-                self._event(name, "E", stack.pop())
-            self._event(name, "B", activity)
+                self._event(key, "E", stack.pop())
+            self._event(key, "B", activity)
             stack.append(activity)
 
-    def activity(self, name: str, activity: str) -> None:
-        self.activities((name,), activity)
+    def activity(self, key: tuple, activity: str) -> None:
+        self.activities((key,), activity)
 
     @_locked
-    def end(self, names: Iterable[str]) -> None:
-        for name in names:
-            stack = self._open_spans.get(name)
+    def end(self, keys: Iterable[tuple]) -> None:
+        for key in keys:
+            stack = self._open_spans.get(key)
             while stack:
-                self._event(name, "E", stack.pop())
+                self._event(key, "E", stack.pop())
 
     @_locked
     def mark_cycle(self) -> None:

@@ -34,8 +34,11 @@ if evens.included():
 path = os.path.join(out_dir, "dynamic.json")
 hvddp.start_timeline(path, mark_cycles=True)
 for _ in range(3):
+    if evens.included():  # the same name on another set: a row of its own, not mixed into the first
+        hvddp.allreduce(np.ones(8), name="traced", process_set=evens)
     hvddp.allreduce(np.ones(8), name="traced")
 hvddp.stop_timeline()
+hvddp.barrier()  # (rank 0 has stopped before anyone submits the next name)
 hvddp.allreduce(np.ones(8), name="untraced")
 quiet = os.path.join(out_dir, "dynamic_no_marks.json")
 hvddp.start_timeline(quiet)  # mark_cycles=False: no CYCLE_START marks
@@ -45,6 +48,12 @@ if world == 0:
     events = json.load(open(path))
     rows = {e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert "allreduce.traced" in rows and "allreduce.untraced" not in rows, rows
+    on_evens = f"allreduce.traced (process set {evens.process_set_id})"
+    assert on_evens in rows, rows
+    pids = {e["args"]["name"]: e["pid"] for e in events if e["name"] == "process_name"}
+    for row in ("allreduce.traced", on_evens):  # three whole ALLREDUCE spans in each row
+        spans = [e["ph"] for e in events if e.get("pid") == pids[row] and e["name"] == "ALLREDUCE"]
+        assert spans == ["B", "E"] * 3, (row, spans)
     assert any(e["name"] == "CYCLE_START" for e in events), "start_timeline(mark_cycles=True) marked no cycle"
     events = json.load(open(quiet))
     assert "allreduce.traced.quiet" in {e["args"]["name"] for e in events if e["name"] == "process_name"}

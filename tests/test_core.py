@@ -206,7 +206,7 @@ def test_timeline_reaches_the_file_as_written_and_a_write_error_only_stops_it(tm
     path = tmp_path / "live.json"
     timeline = Timeline(0)
     timeline.start(str(path))
-    timeline.negotiate_start("grad", "allreduce")
+    timeline.negotiate_start((0, "grad"), "allreduce")
     on_disk = path.read_text()  # not closed: what a killed job would leave
     assert "NEGOTIATE_ALLREDUCE" in on_disk and "allreduce.grad" in on_disk, on_disk
 
@@ -220,8 +220,8 @@ def test_timeline_reaches_the_file_as_written_and_a_write_error_only_stops_it(tm
     timeline._file.close()
     timeline._file = Full()
     with caplog.at_level("ERROR", logger="hvddp"):
-        timeline.negotiate_rank_ready("grad", 0)  # fails: gives up, raises nothing
-        timeline.negotiate_end("grad")
+        timeline.negotiate_rank_ready((0, "grad"), 0)  # fails: gives up, raises nothing
+        timeline.negotiate_end((0, "grad"))
         timeline.close()
     assert not timeline
     assert [r.getMessage() for r in caplog.records].count(

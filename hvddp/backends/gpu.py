@@ -280,7 +280,7 @@ class GpuExecutor:
                     outputs.append(self._empty(request.shape, request.dtype))
             self._order_after_producers([item[1] for item in items], stream)
             if self.timeline:  # enqueue time: the device work itself runs later on the stream
-                self.timeline.activities([it[0].name for it in items],
+                self.timeline.activities([it[0].key() for it in items],
                                          "NCCL_ALLREDUCE" if comm is not None else "MPI_ALLREDUCE_STAGED")
             pre = request0.prescale
             keep: List[Any] = [items, outputs]

@@ -99,17 +99,17 @@ class Coordinator:
             if waiting is None:
                 waiting = self.table[key] = _Waiting(now)
                 if self.timeline:
-                    self.timeline.negotiate_start(request.name, request.kind.value)
+                    self.timeline.negotiate_start(key, request.kind.value)
             waiting.requests[rank] = request
             if self.timeline:
-                self.timeline.negotiate_rank_ready(request.name, rank)
+                self.timeline.negotiate_rank_ready(key, rank)
 
     def forget_process_set(self, ps_id: int) -> None:
         """Drop the names waiting on a removed set: every rank has failed its own entries for them."""
         for key in [k for k in self.table if k[0] == ps_id]:
             del self.table[key]
             if self.timeline:
-                self.timeline.negotiate_end(key[1])
+                self.timeline.negotiate_end(key)
 
     def wants_round(self) -> bool:
         """True when rank 0 has something to announce (a fatal stall) though no rank sent anything."""
@@ -183,7 +183,7 @@ class Coordinator:
                     if request.group is not None:
                         failed_groups.setdefault(request.group[0], responses[-1].error)
             if self.timeline:
-                self.timeline.negotiate_end(key[1])
+                self.timeline.negotiate_end(key)
         if failed_groups:  # a group is atomic: no member runs when one fails
             for i, response in enumerate(responses):
                 group = response.request.group if response.request is not None else None
@@ -212,7 +212,7 @@ class Coordinator:
             request = next(iter(waiting.requests.values()))
             responses.append(Response(request.kind, key[0], key[1], failed_groups[gid], request))
             if self.timeline:
-                self.timeline.negotiate_end(key[1])
+                self.timeline.negotiate_end(key)
         return responses
 
     def _complete_groups(self, ready: List[tuple], errors) -> List[tuple]:

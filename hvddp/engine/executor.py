@@ -209,7 +209,7 @@ class Executor:
     def _run_one(self, request: Request, entry: Optional[Entry], info) -> None:
         tl = self.timeline
         if tl:
-            tl.activity(request.name, f"MPI_{request.kind.value.upper()}")
+            tl.activity(request.key(), f"MPI_{request.kind.value.upper()}")
         try:
             result = self._dispatch(request, entry, info)
         except Exception as exc:  # reported on the caller's thread; the engine goes on
@@ -220,7 +220,7 @@ class Executor:
             return
         finally:
             if tl:
-                tl.end((request.name,))
+                tl.end((request.key(),))
         if entry is not None:
             entry.complete(result)
 
@@ -296,7 +296,7 @@ class Executor:
                 request, entry, _ = batch[0]
                 src, dst = _buffers(request, entry, self.pool)
                 if tl:
-                    tl.activity(request.name, "MPI_ALLREDUCE")
+                    tl.activity(request.key(), "MPI_ALLREDUCE")
                 if pre != 1.0:
                     _scaled_copy(dst, src, pre)
                     src = dst
@@ -310,7 +310,7 @@ class Executor:
                 sizes = [_meta(item[0])[0] for item in batch]
                 buf = self._fusion_buffer(wire, sum(sizes))
                 if tl:
-                    tl.activities([item[0].name for item in batch], "MEMCPY_IN_FUSION_BUFFER")
+                    tl.activities([item[0].key() for item in batch], "MEMCPY_IN_FUSION_BUFFER")
                 offset = 0
                 views = []
                 for (request, entry, _), n in zip(batch, sizes):
@@ -322,7 +322,7 @@ class Executor:
                     else:
                         _scaled_copy(view, entry.input.reshape(-1), pre)
                 if tl:
-                    tl.activities([item[0].name for item in batch],
+                    tl.activities([item[0].key() for item in batch],
                                   "MPI_ADASUM_ALLREDUCE" if adasum else "MPI_ALLREDUCE")
                 if adasum:
                     from ..backends import adasum as adasum_backend
@@ -335,7 +335,7 @@ class Executor:
                     else:
                         self.mpi.allreduce_inplace(ps.comm, buf, request0.op, chunk)
                 if tl:
-                    tl.activities([item[0].name for item in batch], "MEMCPY_OUT_FUSION_BUFFER")
+                    tl.activities([item[0].key() for item in batch], "MEMCPY_OUT_FUSION_BUFFER")
                 for (request, entry, _), view in zip(batch, views):
                     if entry is None:
                         continue
@@ -347,7 +347,7 @@ class Executor:
             _fail(batch, exc)
             return
         if tl:
-            tl.end([item[0].name for item in batch])
+            tl.end([item[0].key() for item in batch])
         _complete(batch)
 
     def _allreduce_many(self, cma, group: list) -> None:
@@ -360,7 +360,7 @@ class Executor:
         ps = self.process_sets[request0.ps_id]
         pre = request0.prescale
         post = _post_factor(request0, ps.size)
-        names = [item[0].name for item in group] if self.timeline else None
+        names = [item[0].key() for item in group] if self.timeline else None
         try:
             srcs, dsts = [], []
             for request, entry, _ in group:

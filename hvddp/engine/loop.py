@@ -291,8 +291,8 @@ class Engine:
                         unsent.append(sibling)
             else:
                 if entry.state == NEW and self.timeline:
-                    self.timeline.negotiate_start(entry.request.name, entry.request.kind.value)
-                    self.timeline.negotiate_rank_ready(entry.request.name, self.rank)
+                    self.timeline.negotiate_start(entry.key, entry.request.kind.value)
+                    self.timeline.negotiate_rank_ready(entry.key, self.rank)
                 entry.state = BIT
                 entry.slot = slot
                 entry.cache_version = version
