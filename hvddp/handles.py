@@ -62,12 +62,6 @@ class Handle:
             raise self._error
         return self._result
 
-    def wait_quietly(self) -> None:
-        """Block until done; raise nothing (for a caller that wants neither result nor error)."""
-        if not self._done:
-            self._gate.acquire()
-            self._gate.release()
-
     # Engine side (one thread) --------------------------------------------------------------
     def _set_part(self, index: int, value: Any) -> None:
         if self._done:

@@ -74,9 +74,22 @@ def _check_name(name: Any, fn: str) -> Optional[str]:
     return name
 
 
+class Refusal:
+    """For adapters: what to pass in place of a tensor that the adapter's own checks refused,
+    before the core saw the call. The core raises ``error`` where it checks the tensors, after
+    taking the call's name, so the refusal is announced to the other ranks (see ``_refusing``)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
 def _array(tensor: Any, fn: str, arg: str = "tensor") -> np.ndarray:
     if type(tensor) is np.ndarray:
         array = tensor
+    elif type(tensor) is Refusal:
+        raise tensor.error
     elif isinstance(tensor, _device.DeviceInput):  # checked already (alltoall, reducescatter)
         return tensor
     elif _device.is_device_array(tensor) or isinstance(tensor, _device.Labeled):
@@ -150,7 +163,10 @@ def _factor(value: Any, fn: str, arg: str) -> float:
         return 1.0
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{fn}: {arg} must be a real number, got {type(value).__name__} {value!r}.")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int past float's range
+        raise ValueError(f"{fn}: {arg} must be finite, got an integer too large for a float.") from None
     if not np.isfinite(value):
         raise ValueError(f"{fn}: {arg} must be finite, got {value!r}.")
     return value
@@ -217,7 +233,7 @@ def _group_id(names: Sequence[str], ps_id: int) -> str:
 class _refusing:
     """``with _refusing(state, view, kind, names):`` around the checks of a call's own arguments
     (tensors, dtypes, op, factors, root, splits), once its names are known. When they raise
-    ``TypeError`` or ``ValueError`` here, this rank announces the refusal under those names and
+    here (``TypeError``, ``ValueError``, or anything else), this rank announces the refusal under those names and
     the error propagates: a rank that made the call validly then fails with ``MismatchError``
     naming this rank and the reason, instead of waiting for it forever."""
 
@@ -230,7 +246,7 @@ class _refusing:
         return None
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is not None and issubclass(exc_type, (TypeError, ValueError)) and self.names:
+        if exc_type is not None and issubclass(exc_type, Exception) and self.names:
             ps_id = self.view.owner.process_set_id
             names = self.names
             group = (_group_id(names, ps_id), len(names)) if len(names) > 1 else None
@@ -318,10 +334,14 @@ def _allreduce(fn: str, tensors: Sequence[Any], average, name, op, prescale_fact
     state, view = _process_set(process_set, fn)
     name = _check_name(name, fn)
     if grouped:
-        base, names = _member_names(fn, name, names, len(tensors), "grouped_allreduce", process_set)
+        if not _listed(tensors) and _listed(names):
+            names = names[:1]
+        base, names = _member_names(fn, name, names, _members(tensors), "grouped_allreduce", process_set)
     else:
         names = [name or _auto_name("allreduce", process_set)]
     with _refusing(state, view, Kind.ALLREDUCE, names):
+        if grouped:
+            tensors = _seq(tensors, fn)
         op = _op(op, average, fn, adasum=True)
         if op is ReduceOp.ADASUM:
             _check_adasum_size(view.size, process_set, fn)
@@ -409,7 +429,7 @@ def grouped_allreduce_async(tensors: Sequence[np.ndarray], average: Optional[boo
     which then appear in errors). Same contract as ``allreduce_async`` for each member; the
     handle's result is the list of reduced arrays.
     """
-    return _allreduce("grouped_allreduce", _seq(tensors, "grouped_allreduce"), average, name, op,
+    return _allreduce("grouped_allreduce", tensors, average, name, op,
                       prescale_factor, postscale_factor, process_set, False, True, names)
 
 
@@ -429,7 +449,7 @@ def grouped_allreduce_async_(tensors: Sequence[np.ndarray], average: Optional[bo
                              process_set: ProcessSet = global_process_set,
                              names: Optional[Sequence[str]] = None) -> Handle:
     """Start reducing a list of arrays in place as one group."""
-    return _allreduce("grouped_allreduce_", _seq(tensors, "grouped_allreduce_"), average, name, op,
+    return _allreduce("grouped_allreduce_", tensors, average, name, op,
                       prescale_factor, postscale_factor, process_set, True, True, names)
 
 
@@ -441,6 +461,16 @@ def grouped_allreduce_(tensors: Sequence[np.ndarray], average: Optional[bool] = 
     """Reduce a list of arrays in place as one group; blocks."""
     return grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
                                     process_set, names).wait()
+
+
+def _listed(tensors: Any) -> bool:
+    return isinstance(tensors, (list, tuple)) and not isinstance(tensors, np.ndarray)
+
+
+def _members(tensors: Any) -> int:
+    """How many names a grouped call takes: one per tensor, or one for a call refused because
+    ``tensors`` is no list (announced under the first member's name: its group then fails)."""
+    return len(tensors) if _listed(tensors) else 1
 
 
 def _seq(tensors: Any, fn: str) -> list:
@@ -457,8 +487,10 @@ def _gather_like(kind: Kind, fn: str, tensors: Sequence[Any], name, process_set,
     state, view = _process_set(process_set, fn)
     name = _check_name(name, fn)
     base = name or _auto_name(f"grouped_{kind.value}" if grouped else kind.value, process_set)
-    names = [f"{base}.{i}" for i in range(len(tensors))] if grouped else [base]
+    names = [f"{base}.{i}" for i in range(_members(tensors))] if grouped else [base]
     with _refusing(state, view, kind, names):
+        if grouped:
+            tensors = _seq(tensors, fn)
         arrays = [_array(t, fn, f"tensors[{i}]" if grouped else "tensor") for i, t in enumerate(tensors)]
         for i, a in enumerate(arrays):
             if a.ndim == 0:
@@ -497,7 +529,7 @@ def allgather(tensor: np.ndarray, name: Optional[str] = None,
 def grouped_allgather_async(tensors: Sequence[np.ndarray], name: Optional[str] = None,
                             process_set: ProcessSet = global_process_set) -> Handle:
     """Start allgathering a list of arrays as one group; the result is a list."""
-    return _gather_like(Kind.ALLGATHER, "grouped_allgather", _seq(tensors, "grouped_allgather"),
+    return _gather_like(Kind.ALLGATHER, "grouped_allgather", tensors,
                         name, process_set, True)
 
 
@@ -649,7 +681,7 @@ def grouped_reducescatter_async(tensors: Sequence[np.ndarray], name: Optional[st
                                 process_set: ProcessSet = global_process_set,
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Start a reducescatter of each array in a list, as one group."""
-    return _reducescatter("grouped_reducescatter", _seq(tensors, "grouped_reducescatter"), name, op,
+    return _reducescatter("grouped_reducescatter", tensors, name, op,
                           process_set, prescale_factor, postscale_factor, True)
 
 

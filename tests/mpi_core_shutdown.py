@@ -28,6 +28,28 @@ else:
     except hvddp.ShutdownError as e:
         print("pending handle failed: ShutdownError", e, flush=True)
 
+# A rank refuses a call (bool with Average) and shuts down at once: the refusal still reaches
+# the rank waiting on that call, as the MismatchError naming it, not as a ShutdownError.
+hvddp.init()
+hvddp.allreduce(np.ones(3), name="warm")  # (through the response cache from here on)
+hvddp.allreduce(np.ones(3), name="warm")
+if hvddp.rank() == 0:
+    handle = hvddp.allreduce_async(np.ones(3), name="warm")  # announced (cached) before rank 1 refuses
+    hvddp.barrier()
+    try:
+        handle.wait(timeout=30)
+    except hvddp.MismatchError as e:
+        assert "refused on rank(s) [1]" in str(e), e
+        print("refusal before shutdown: MismatchError", flush=True)
+    hvddp.shutdown()
+else:
+    hvddp.barrier()
+    try:
+        hvddp.allreduce(np.ones(3, dtype=bool), name="warm")
+    except ValueError:
+        hvddp.shutdown()
+        print("refusal before shutdown: MismatchError (the refusing rank)", flush=True)
+
 for cycle in range(1000):
     hvddp.init(comm=[0, 1] if cycle % 2 else None)
     pair = hvddp.add_process_set([0, 1])

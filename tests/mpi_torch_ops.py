@@ -201,6 +201,11 @@ def test_sparse_allreduce():
     # Horovod's form: the handle is a function that returns the result
     call = hvd.sparse_allreduce_async(dense.to_sparse(), name="sparse.called", op=hvd.Average)
     assert torch.allclose(call().to_dense(), expected)
+    # name=None: automatic names, so two at once do not collide (they were both "None.values")
+    first, second = (hvd.sparse_allreduce_async(dense.to_sparse(), None, hvd.Average) for _ in range(2))
+    assert first.name != second.name
+    for h in (first, second):
+        assert torch.allclose(hvd.synchronize(h).to_dense(), expected)
 
 
 def test_objects_barrier_join():
@@ -603,3 +608,36 @@ def test_bad_arguments():
         hvd.grouped_allreduce(torch.ones(2))
     with pytest.raises(ValueError):
         hvd.broadcast(torch.ones(2), root_rank=N)
+
+
+def test_a_tensor_refused_on_one_rank_fails_on_every_rank():
+    """hvddp.torch's own checks (dtype, layout, a list that is none, splits) refuse a call
+    before the core sees it: rank 0 raises that error at once, and the ranks that made the call
+    validly raise MismatchError naming rank 0 and the reason instead of waiting for it; the
+    unnamed calls after it still carry the same names on every rank."""
+    bad = R == 0
+    calls = [
+        ("allreduce", lambda: hvd.allreduce(torch.ones(2, dtype=torch.complex64) if bad else torch.ones(2))),
+        ("allreduce_", lambda: hvd.allreduce_(torch.ones(2).to_sparse() if bad else torch.ones(2))),
+        ("grouped_allreduce", lambda: hvd.grouped_allreduce(
+            [torch.ones(2), torch.ones(2, dtype=torch.complex64) if bad else torch.ones(2)])),
+        ("grouped_allgather", lambda: hvd.grouped_allgather(torch.ones(2, 1) if bad else [torch.ones(2, 1)])),
+        ("allgather", lambda: hvd.allgather(torch.ones((), requires_grad=True) if bad
+                                            else torch.ones(1, requires_grad=True))),
+        ("broadcast_", lambda: hvd.broadcast_(torch.ones(2, dtype=torch.complex64) if bad else torch.ones(2), 0)),
+        ("alltoall", lambda: hvd.alltoall(torch.ones(N), splits=object() if bad else None)),
+        ("reducescatter", lambda: hvd.reducescatter([1.0] * N if bad else torch.ones(N))),
+    ]
+    for fn, call in calls:
+        if bad:
+            with pytest.raises((TypeError, ValueError), match=fn):
+                call()
+        else:
+            with pytest.raises(hvd.HorovodInternalError, match=rf"refused on rank\(s\) \[0\] \(\w+: {fn}"):
+                call()
+    handles = [hvd.allreduce_async(torch.ones(1)), hvd.grouped_allreduce_async([torch.ones(1)]),
+               hvd.allgather_async(torch.ones(1)), hvd.broadcast_async(torch.ones(1), 0)]
+    names = [h.name for h in handles]
+    assert hvd.allgather_object(names) == [names] * N
+    for h in handles:
+        hvd.synchronize(h)

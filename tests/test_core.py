@@ -166,6 +166,7 @@ def test_shutdown_fails_pending_handles_on_every_rank():
     script = os.path.join(ROOT, "tests", "mpi_core_shutdown.py")
     out = run(2, [script], timeout=60).stdout
     assert out.count("pending handle failed: ShutdownError") == 2, out
+    assert out.count("refusal before shutdown: MismatchError") == 2, out
     assert out.count("cycles ok") == 2, out
 
 

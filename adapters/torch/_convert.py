@@ -22,19 +22,27 @@ SUPPORTED = ", ".join(str(d).replace("torch.", "") for d in _NUMPY_OF)
 _warned_staging = False
 
 
+class TensorArgumentError(TypeError):
+    """An argument refused by hvddp.torch's own checks, before the numpy core saw the call. The
+    collectives announce it through the core (``mpi_ops._announced``), so that ranks which made
+    the call validly fail too instead of waiting for this one."""
+
+
 def check_tensor(tensor: Any, fn: str, arg: str = "tensor") -> torch.Tensor:
-    """Raise TypeError unless ``tensor`` is a dense torch tensor of a supported dtype."""
+    """Raise TensorArgumentError (a TypeError) unless ``tensor`` is a dense torch tensor of a
+    supported dtype."""
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{fn}: {arg} must be a torch.Tensor, got {type(tensor).__name__}.")
+        raise TensorArgumentError(f"{fn}: {arg} must be a torch.Tensor, got {type(tensor).__name__}.")
     if tensor.layout != torch.strided:
-        raise TypeError(f"{fn}: {arg} has layout {tensor.layout}; only dense tensors are supported "
-                        f"(use sparse_allreduce_async for sparse ones, or .to_dense()).")
+        raise TensorArgumentError(f"{fn}: {arg} has layout {tensor.layout}; only dense tensors are "
+                                  f"supported (use sparse_allreduce_async for sparse ones, or .to_dense()).")
     if tensor.dtype not in _NUMPY_OF:
-        raise TypeError(f"{fn}: {arg} has dtype {tensor.dtype}, which hvddp does not support; "
-                        f"supported: {SUPPORTED}. Cast it first (e.g. tensor.float()).")
+        raise TensorArgumentError(f"{fn}: {arg} has dtype {tensor.dtype}, which hvddp does not support; "
+                                  f"supported: {SUPPORTED}. Cast it first (e.g. tensor.float()).")
     if tensor.device.type == "meta":
-        raise TypeError(f"{fn}: {arg} is on the meta device, which holds no values to communicate; "
-                        f"materialize it first (e.g. module.to_empty(device='cpu') and initialize).")
+        raise TensorArgumentError(f"{fn}: {arg} is on the meta device, which holds no values to "
+                                  f"communicate; materialize it first (e.g. module.to_empty(device='cpu') "
+                                  f"and initialize).")
     return tensor
 
 

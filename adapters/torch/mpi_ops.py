@@ -20,7 +20,9 @@ Horovod's; with Average, as Horovod's, the allgather itself). In-place and ``_as
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+import functools
+import inspect
+from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -28,7 +30,9 @@ import torch
 import hvddp
 from hvddp import Average, ProcessSet, ReduceOp, Sum, global_process_set
 
-from ._convert import Handle, as_tensor, check_tensor, source, target
+from hvddp.ops import Refusal
+
+from ._convert import Handle, TensorArgumentError, as_tensor, check_tensor, source, target
 from .compression import Compression, Compressor
 
 __all__ = [
@@ -45,9 +49,53 @@ def _grad_name(name: Optional[str]) -> Optional[str]:
     return None if name is None else f"{name}.grad"
 
 
+def _announced(core_fn: Callable) -> Callable:
+    """Decorate a collective whose own checks (``check_tensor``, ...) may raise
+    ``TensorArgumentError`` before the core sees the call: the refusal is then announced through
+    ``core_fn``, given ``Refusal`` in place of the tensors (the core raises it where it checks
+    them, after taking the name it would have given the call), so that ranks which made the call
+    validly fail with ``MismatchError`` instead of waiting for this one."""
+    core_params = inspect.signature(core_fn).parameters
+
+    def wrap(fn: Callable) -> Callable:
+        sig = inspect.signature(fn)
+        first = next(iter(sig.parameters))  # tensor or tensors, as in the core
+
+        @functools.wraps(fn)
+        def announcing(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except TensorArgumentError as exc:
+                if not getattr(exc, "hvddp_announced", False):  # (an inner collective did)
+                    exc.hvddp_announced = True
+                    _announce(core_fn, core_params, sig, first, exc, args, kwargs)
+                raise
+
+        return announcing
+
+    return wrap
+
+
+def _announce(core_fn, core_params, sig, first: str, exc: BaseException, args, kwargs) -> None:
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError:
+        return
+    given = bound.arguments.get(first)
+    refusal = Refusal(exc)
+    if first == "tensors":  # (one member for a "list" that is none: its group fails)
+        tensors = [refusal] * len(given) if isinstance(given, (list, tuple)) and given else [refusal]
+    else:
+        tensors = refusal
+    try:
+        core_fn(tensors, **{k: v for k, v in bound.arguments.items() if k in core_params and k != first})
+    except Exception:  # the refusal itself, announced (or an error in the other arguments)
+        pass
+
+
 def _tensors(tensors: Any, fn: str) -> List[torch.Tensor]:
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
-        raise TypeError(f"{fn}: tensors must be a list or tuple of torch tensors, got "
+        raise TensorArgumentError(f"{fn}: tensors must be a list or tuple of torch tensors, got "
                         f"{type(tensors).__name__}.")
     return [check_tensor(t, fn, f"tensors[{i}]") for i, t in enumerate(tensors)]
 
@@ -81,6 +129,7 @@ def _inplace(tensors: Sequence[torch.Tensor], copy_backs, single: bool):
 
 
 # allreduce --------------------------------------------------------------------------------
+@_announced(hvddp.allreduce_async)
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                     op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0,
@@ -113,6 +162,7 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
     return Handle(core.name, [core], _out(tensor))
 
 
+@_announced(hvddp.allreduce_async)
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                      op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0,
@@ -158,6 +208,7 @@ def _check_differentiable(op, average) -> None:
                            f"only Average and Sum are. Detach the input (tensor.detach()).")
 
 
+@_announced(hvddp.allreduce_async)
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
               compression: Compressor = Compression.none, op: Optional[ReduceOp] = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -178,6 +229,7 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     return compression.decompress(out, ctx)
 
 
+@_announced(hvddp.grouped_allreduce_async)
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                             name: Optional[str] = None, op: Optional[ReduceOp] = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -193,6 +245,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
     return Handle(core.name, [core], _outs(tensors))
 
 
+@_announced(hvddp.grouped_allreduce_async)
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                              name: Optional[str] = None, op: Optional[ReduceOp] = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -230,6 +283,7 @@ class _GroupedAllreduce(torch.autograd.Function):
         return (None,) * 6 + tuple(out)
 
 
+@_announced(hvddp.grouped_allreduce_async)
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                       name: Optional[str] = None, compression: Compressor = Compression.none,
                       op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
@@ -254,8 +308,14 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: ReduceOp = Avera
 
     The result (from ``synchronize``) is an uncoalesced sparse tensor holding every rank's
     entries, values divided by the set's size for ``op=Average``. Only Average and Sum apply.
-    Uses the names ``<name>.indices`` and ``<name>.values``.
+    Uses the names ``<name>.indices`` and ``<name>.values``; with ``name=None``, an automatic
+    name (the n-th unnamed sparse allreduce on the set).
     """
+    if name is None:
+        hvddp.ops._process_set(process_set, "sparse_allreduce_async")
+        name = hvddp.ops._auto_name("sparse_allreduce", process_set)
+    elif not isinstance(name, str) or not name:
+        raise TypeError(f"sparse_allreduce_async: name must be a non-empty str or None, got {name!r}.")
     if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
         raise TypeError(f"sparse_allreduce_async: tensor must be a sparse COO torch tensor, got "
                         f"{getattr(tensor, 'layout', type(tensor).__name__)}.")
@@ -280,6 +340,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: ReduceOp = Avera
 
 
 # allgather --------------------------------------------------------------------------------
+@_announced(hvddp.allgather_async)
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start concatenating every rank's ``tensor`` along dim 0, in rank order.
@@ -300,8 +361,9 @@ def _rows_offset(rows: int, name: Optional[str], process_set: ProcessSet):
 class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, process_set):
+        out = allgather_async(tensor, name, process_set).wait()  # (the core refuses a 0-d tensor)
         ctx.args = (tensor.shape[0], name, process_set)
-        return allgather_async(tensor, name, process_set).wait()
+        return out
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -312,17 +374,17 @@ class _Allgather(torch.autograd.Function):
         return grad.narrow(0, offset, rows), None, None
 
 
+@_announced(hvddp.allgather_async)
 def allgather(tensor: torch.Tensor, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along dim 0; blocks; differentiable."""
     check_tensor(tensor, "allgather")
     if _needs_grad(tensor):
-        if tensor.dim() == 0:
-            raise ValueError("allgather: tensor is 0-d; pass at least a 1-d tensor (x.reshape(1)).")
         return _Allgather.apply(tensor, name, process_set)
     return allgather_async(tensor, name, process_set).wait()
 
 
+@_announced(hvddp.grouped_allgather_async)
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                             process_set: ProcessSet = global_process_set) -> Handle:
     """Start allgathering a list of tensors as one group; the result is a list."""
@@ -348,6 +410,7 @@ class _GroupedAllgather(torch.autograd.Function):
         return (None, None) + tuple(g.narrow(0, int(o), r) for g, o, r in zip(reduced, offsets, rows))
 
 
+@_announced(hvddp.grouped_allgather_async)
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                       process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
     """Allgather a list of tensors as one group; blocks; differentiable."""
@@ -358,6 +421,7 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = Non
 
 
 # broadcast --------------------------------------------------------------------------------
+@_announced(hvddp.broadcast_async)
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start copying ``root_rank``'s ``tensor`` to every rank; the result is a new tensor.
@@ -370,6 +434,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = 
     return Handle(core.name, [core], _out(tensor))
 
 
+@_announced(hvddp.broadcast_async)
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> Handle:
     """Start overwriting ``tensor`` with ``root_rank``'s values, in place."""
@@ -401,6 +466,7 @@ class _Broadcast(torch.autograd.Function):
         return grad, None, None, None
 
 
+@_announced(hvddp.broadcast_async)
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Return ``root_rank``'s ``tensor`` on every rank as a new tensor; blocks; differentiable."""
@@ -417,11 +483,12 @@ def _splits_list(splits: Any) -> Optional[List[int]]:
     if isinstance(splits, torch.Tensor):
         return [int(s) for s in splits.reshape(-1).tolist()]
     if not isinstance(splits, Sequence) and not isinstance(splits, np.ndarray):
-        raise TypeError(f"alltoall: splits must be a list, tuple, array or tensor of ints (rows to send "
+        raise TensorArgumentError(f"alltoall: splits must be a list, tuple, array or tensor of ints (rows to send "
                         f"to each rank), or None; got {type(splits).__name__} {splits!r}.")
     return list(splits)
 
 
+@_announced(hvddp.alltoall_async)
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start sending ``splits[i]`` rows of ``tensor`` to rank ``i`` and receiving theirs.
@@ -457,6 +524,7 @@ class _Alltoall(torch.autograd.Function):
         return grad, None, None, None
 
 
+@_announced(hvddp.alltoall_async)
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
              process_set: ProcessSet = global_process_set):
     """Exchange slices of ``tensor`` with every rank; blocks; differentiable.
@@ -473,6 +541,7 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = Non
 
 
 # reducescatter ----------------------------------------------------------------------------
+@_announced(hvddp.reducescatter_async)
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: ReduceOp = Average,
                         process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0) -> Handle:
@@ -510,6 +579,7 @@ class _Reducescatter(torch.autograd.Function):
         return grad * factor, None, None, None, None, None
 
 
+@_announced(hvddp.reducescatter_async)
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
                   compression: Compressor = Compression.none, op: ReduceOp = Average,
                   process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
@@ -525,6 +595,7 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
     return compression.decompress(out, ctx)
 
 
+@_announced(hvddp.grouped_reducescatter_async)
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                                 op: ReduceOp = Average, process_set: ProcessSet = global_process_set,
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
@@ -551,6 +622,7 @@ class _GroupedReducescatter(torch.autograd.Function):
         return (None,) * 5 + tuple(g * factor for g in out)
 
 
+@_announced(hvddp.grouped_reducescatter_async)
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                           compression: Compressor = Compression.none, op: ReduceOp = Average,
                           process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,

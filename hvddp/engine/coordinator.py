@@ -141,8 +141,11 @@ class Coordinator:
             members = ps.ranks if ps is not None else []
             missing = [r for r in members if r not in waiting.requests and r not in self.joined]
             kind = next(iter(waiting.requests.values())).kind.value
+            refused = sorted(r for r, q in waiting.requests.items() if q.refused is not None)
             parts.append(f"{kind} {name!r} (waiting {now - waiting.first_seen:.1f} s): "
-                         f"submitted by ranks {sorted(waiting.requests)}, missing on ranks {missing}")
+                         f"submitted by ranks {sorted(waiting.requests)}"
+                         + (f" (refused there by ranks {refused}: they raised at once)" if refused else "")
+                         + f", missing on ranks {missing}")
         return (f"{word} collectives: one or more ranks have not submitted these: "
                 + "; ".join(parts) + ". A rank skipped a step, took another code path, or died.")
 
@@ -165,9 +168,11 @@ class Coordinator:
             ready.append(key)
             first = next(iter(submitted.values()))
             if first.kind not in JOIN_TOLERANT and joined.intersection(members):
+                hint = (" (hvddp.torch's DistributedOptimizer allgathers sparse gradients: with join(), "
+                        "pass sparse_as_dense=True)" if first.kind is Kind.ALLGATHER else "")
                 errors[key] = (f"{first.kind.value} {key[1]!r} cannot run while rank(s) "
                                f"{sorted(joined.intersection(members))} have called join(); only "
-                               f"allreduce and barrier accept joined ranks. Call it before join().")
+                               f"allreduce and barrier accept joined ranks. Call it before join(){hint}.")
         ready = self._complete_groups(ready, errors)
         responses: List[Response] = []
         failed_groups: Dict[str, str] = {}  # group id -> the error that failed one of its members

@@ -29,7 +29,7 @@ from ..exceptions import HvddpError, MismatchError, ShutdownError, StallError
 from .cache import ResponseCache
 from .coordinator import Coordinator, Decision
 from .executor import Entry, Executor
-from ..handles import Handle, defer_wakeups, wake_deferred
+from ..handles import defer_wakeups, wake_deferred
 from .messages import Kind
 from .names import AutoNames
 
@@ -40,6 +40,7 @@ FLAG_NO_UNSENT = 0x01
 FLAG_NOT_SHUTDOWN = 0x02
 IDLE_WAIT_S = 0.05
 TRACE = 5  # HVDDP_LOG_LEVEL=TRACE: a line per cycle that ran collectives
+SHUTDOWN_GRACE_CYCLES = 8  # cycles a shutdown waits at most for negotiations in flight
 
 
 def _listed(names: Sequence[str], limit: int = 12) -> str:
@@ -73,10 +74,13 @@ class Engine:
         self._sleeping = False
         self._queue: List[Entry] = []
         self._names: set = set()
-        self._refused: Dict[tuple, Handle] = {}  # key -> the handle of a refused call's request
+        self._refused: Dict[tuple, Entry] = {}  # key -> the request of a call refused here
+        # key -> (entries of a later call under that name, the refused keys it still waits for)
+        self._parked: Dict[tuple, tuple] = {}
         self._pending: Dict[tuple, Entry] = {}
         self._join_mode = False
         self._shutdown_requested = False
+        self._shutdown_cycles = 0
         self._error: Optional[HvddpError] = None  # set once the engine has stopped
         self._bits = np.zeros(1 + (config.cache_capacity + 7) // 8, dtype=np.uint8)
         self._want = np.zeros(((config.cache_capacity + 7) // 8) * 8, dtype=bool)
@@ -94,43 +98,61 @@ class Engine:
     # User thread -------------------------------------------------------------------------
     def submit(self, entries: List[Entry]) -> None:
         """Queue entries (all or none); a name already pending is a ``ValueError``. A name still
-        held by a refused call (``submit_refused``: the caller raised, and may now be retrying)
-        is waited for instead, until the other ranks' calls have met it."""
-        while True:
-            with self._lock:
-                if self._error is not None:
-                    raise type(self._error)(str(self._error))
-                keys = [e.key for e in entries]
-                refused = next((self._refused[k] for k in keys if k in self._refused), None)
-                if refused is None:
-                    for key in keys:
-                        if key in self._names:
-                            raise ValueError(
-                                f"a collective named {key[1]!r} is already pending; wait for it (or "
-                                f"give this one another name) before submitting it again.")
-                    if len(set(keys)) != len(keys):
-                        dup = next(k for k in keys if keys.count(k) > 1)
-                        raise ValueError(f"the name {dup[1]!r} appears twice in one grouped call; "
-                                         f"names must be unique.")
-                    self._names.update(keys)
-                    self._queue.extend(entries)
-                    self._cv.notify()
-                    return
-            refused.wait_quietly()
+        held by a refused call (``submit_refused``: the caller raised, and is now retrying) parks
+        the entries instead, returning at once: they are queued when the refusal has met the
+        other ranks' calls, so the retry meets their next ones."""
+        with self._lock:
+            if self._error is not None:
+                raise type(self._error)(str(self._error))
+            keys = [e.key for e in entries]
+            held = [k for k in keys if k in self._refused]
+            for key in keys:
+                if key in self._names and (key not in self._refused or key in self._parked):
+                    raise ValueError(
+                        f"a collective named {key[1]!r} is already pending; wait for it (or give "
+                        f"this one another name) before submitting it again.")
+            if len(set(keys)) != len(keys):
+                dup = next(k for k in keys if keys.count(k) > 1)
+                raise ValueError(f"the name {dup[1]!r} appears twice in one grouped call; names "
+                                 f"must be unique.")
+            self._names.update(keys)
+            if held:
+                parked = (entries, set(held))
+                for key in held:
+                    self._parked[key] = parked
+                return
+            self._queue.extend(entries)
+            self._cv.notify()
 
     def submit_refused(self, entries: List[Entry]) -> None:
         """Announce calls this rank refused (their requests carry the reason), so that ranks
         which made them validly fail with a ``MismatchError`` instead of waiting for this one.
-        Names already pending here are left alone: that earlier call meets the others."""
+        Not announced when a name is already pending here (that earlier call meets the others)
+        or appears twice (the others refuse such a call without submitting it)."""
+        keys = [e.key for e in entries]
         with self._lock:
-            if self._error is not None or any(e.key in self._names for e in entries):
+            if self._error is not None or len(set(keys)) != len(keys) or \
+                    any(k in self._names for k in keys):
                 return
             for entry in entries:
                 entry.sig = None  # never announced through the cache: rank 0 must see the reason
-                self._refused[entry.key] = entry.handle
-            self._names.update(e.key for e in entries)
+                self._refused[entry.key] = entry
+            self._names.update(keys)
             self._queue.extend(entries)
             self._cv.notify()
+
+    def _release_refused(self, key: tuple) -> None:
+        """A refusal met the others (or its set went away): free its name, or hand it to the
+        retry parked behind it, queued once none of its names waits on a refusal. Under the lock."""
+        self._refused.pop(key, None)
+        parked = self._parked.pop(key, None)
+        if parked is None:
+            self._names.discard(key)
+            return
+        entries, waiting = parked
+        waiting.discard(key)
+        if not waiting:
+            self._queue.extend(entries)
 
     def submit_one(self, entry: Entry) -> None:
         """``submit([entry])`` without the list: the per-gradient hot path."""
@@ -216,10 +238,15 @@ class Engine:
             bits[1:] = np.packbits(want)
         mpi_backend.wait(self.comm.Iallreduce(MPI.IN_PLACE, [bits, MPI.UINT8_T], MPI.BAND))
         flags = int(bits[0])
-        if not flags & FLAG_NOT_SHUTDOWN:
-            self._shutdown_collectively()
-            return False
-
+        # A rank asked to shut down: agreed work still runs, and while some rank has requests
+        # to negotiate, a few more cycles run (so a refusal its peers wait on reaches them as
+        # the MismatchError it is, not as a ShutdownError, also when it first evicts their
+        # cached announcement); then everything still pending fails. (The flags are the same
+        # on every rank, so every rank stops in the same cycle.)
+        shutting_down = not flags & FLAG_NOT_SHUTDOWN
+        if shutting_down:
+            self._shutdown_cycles += 1
+            shutting_down = bool(flags & FLAG_NO_UNSENT) or self._shutdown_cycles > SHUTDOWN_GRACE_CYCLES
         work = self._fast_ready(bits) if self.cache.capacity else []
         cached = len(work)
         set_changes = []  # process sets to add or remove once this cycle's collectives ran
@@ -250,6 +277,9 @@ class Engine:
                 wake_deferred()
         for response, entry in set_changes:
             self._change_process_set(response, entry)
+        if shutting_down:
+            self._shutdown_collectively()
+            return False
         return True
 
     def _classify(self, now: float) -> List[Entry]:
@@ -404,8 +434,10 @@ class Engine:
             if response.error is not None:
                 if entry is not None:
                     with self._lock:
-                        self._names.discard(response.key())
-                        self._refused.pop(response.key(), None)
+                        if entry.request.refused is not None:
+                            self._release_refused(response.key())
+                        else:
+                            self._names.discard(response.key())
                     entry.fail(MismatchError(response.error))
                 continue
             kind = response.kind
@@ -429,6 +461,9 @@ class Engine:
                 orphans = [e for e in self._pending.values() if e.request.ps_id == ps_id]
                 orphans += [e for e in self._queue if e.request.ps_id == ps_id]
                 self._queue = [e for e in self._queue if e.request.ps_id != ps_id]
+                for key in [k for k in self._parked if k[0] == ps_id]:
+                    entries, _ = self._parked.pop(key)
+                    orphans += [e for e in entries if e not in orphans]
                 for e in orphans:
                     self._pending.pop(e.key, None)
                     self._names.discard(e.key)
@@ -459,9 +494,12 @@ class Engine:
         with self._lock:
             self._error = error
             entries = list(taken) + list(self._pending.values()) + self._queue
+            for parked, _ in {id(p): p for p in self._parked.values()}.values():
+                entries += parked
             self._pending.clear()
             self._queue = []
             self._names.clear()
             self._refused.clear()
+            self._parked.clear()
         for entry in entries:
             entry.fail(type(error)(f"{entry.request.kind.value} {entry.request.name!r}: {error}"))
