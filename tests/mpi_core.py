@@ -339,6 +339,32 @@ def test_a_call_refused_on_one_rank_fails_on_every_rank_and_keeps_names_in_step(
     np.testing.assert_array_equal(hvddp.allreduce(np.ones(2), op=hvddp.Sum, name="refused.all"), [N, N])
 
 
+def test_refusals_under_one_name_queue_and_a_join_waits_for_a_parked_retry():
+    """The last rank refuses the same name twice in a row (the second refusal waits behind the
+    first, as a retry does): both reach the others' two calls. Then it refuses a call, retries
+    it at once (parked behind the refusal) and joins, while the others join at once: the retry
+    still runs with the joined ranks' zeros, and join() ends on every rank."""
+    if N == 1:
+        pytest.skip("needs two ranks")
+    last = R == N - 1
+    for _ in range(2):
+        if last:
+            with pytest.raises(ValueError, match="bool"):
+                hvddp.allreduce_async(np.ones(2, bool), name="refused.twice")
+        else:
+            with pytest.raises(hvddp.MismatchError, match="refused on rank"):
+                hvddp.allreduce(np.ones(2), name="refused.twice")
+    handle = None
+    if last:
+        with pytest.raises(ValueError, match="bool"):
+            hvddp.allreduce_async(np.ones(2, bool), name="refused.parked")
+        handle = hvddp.allreduce_async(np.ones(2), op=hvddp.Sum, name="refused.parked")
+    assert hvddp.join() == N - 1
+    if handle is not None:
+        np.testing.assert_array_equal(handle.wait(timeout=20), [1.0, 1.0])
+    hvddp.barrier()
+
+
 def test_a_refusal_of_a_cached_call_fails_on_every_rank():
     """In steady state the others announce a name through the response cache (one bit), while
     rank N-1 refuses it this time: the refusal still reaches them (the cached entry is evicted

@@ -627,6 +627,8 @@ def test_a_tensor_refused_on_one_rank_fails_on_every_rank():
         ("broadcast_", lambda: hvd.broadcast_(torch.ones(2, dtype=torch.complex64) if bad else torch.ones(2), 0)),
         ("alltoall", lambda: hvd.alltoall(torch.ones(N), splits=object() if bad else None)),
         ("reducescatter", lambda: hvd.reducescatter([1.0] * N if bad else torch.ones(N))),
+        ("sparse_allreduce_async", lambda: hvd.synchronize(hvd.sparse_allreduce_async(
+            torch.eye(2) if bad else torch.eye(2).to_sparse(), None, hvd.Sum))),
     ]
     for fn, call in calls:
         if bad:
@@ -636,8 +638,24 @@ def test_a_tensor_refused_on_one_rank_fails_on_every_rank():
             with pytest.raises(hvd.HorovodInternalError, match=rf"refused on rank\(s\) \[0\] \(\w+: {fn}"):
                 call()
     handles = [hvd.allreduce_async(torch.ones(1)), hvd.grouped_allreduce_async([torch.ones(1)]),
-               hvd.allgather_async(torch.ones(1)), hvd.broadcast_async(torch.ones(1), 0)]
+               hvd.allgather_async(torch.ones(1)), hvd.broadcast_async(torch.ones(1), 0),
+               hvd.sparse_allreduce_async(torch.eye(2).to_sparse(), None, hvd.Sum)]
     names = [h.name for h in handles]
     assert hvd.allgather_object(names) == [names] * N
     for h in handles:
         hvd.synchronize(h)
+
+
+def test_unnamed_sparse_calls_after_join_still_meet():
+    """A joined rank sees its peer's unnamed sparse allreduce fail (its allgathers cannot run
+    while a rank has joined) and counts it, so their next unnamed sparse calls meet."""
+    if N == 1:
+        pytest.skip("needs two ranks")
+    sparse = torch.eye(3).to_sparse()
+    if R == N - 1:
+        with pytest.raises(hvd.HorovodInternalError, match="join"):
+            hvd.synchronize(hvd.sparse_allreduce_async(sparse, None, hvd.Sum))
+    hvd.join()
+    handle = hvd.sparse_allreduce_async(sparse, None, hvd.Sum)
+    assert hvd.allgather_object(handle.name) == [handle.name] * N
+    assert torch.equal(hvd.synchronize(handle).to_dense(), torch.eye(3) * N)

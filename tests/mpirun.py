@@ -101,7 +101,9 @@ def spawn(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = No
 def run_pytest(np_: int, test_file: str, timeout: float = 240, env: Optional[Dict[str, str]] = None,
                extra: Sequence[str] = ()) -> subprocess.CompletedProcess:
     """Run a pytest module on every rank at once (its tests are collectives)."""
-    return run(np_, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-header",
+    # (--color=no: Open MPI's mpiexec hands the ranks a terminal, and colour codes would split
+    # the summary lines the tests read)
+    return run(np_, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-header", "--color=no",
                      "-o", "addopts=", test_file, *extra], timeout=timeout, env=env)
 
 

@@ -316,15 +316,26 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: ReduceOp = Avera
         name = hvddp.ops._auto_name("sparse_allreduce", process_set)
     elif not isinstance(name, str) or not name:
         raise TypeError(f"sparse_allreduce_async: name must be a non-empty str or None, got {name!r}.")
-    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
-        raise TypeError(f"sparse_allreduce_async: tensor must be a sparse COO torch tensor, got "
-                        f"{getattr(tensor, 'layout', type(tensor).__name__)}.")
-    op = ReduceOp(op)
-    if op not in (Average, Sum):
-        raise ValueError(f"sparse_allreduce_async: op must be Average or Sum, got {op!r}.")
-    t = tensor.coalesce() if not tensor.is_coalesced() else tensor
-    indices = t.indices().t().contiguous()
-    values = check_tensor(t.values().contiguous(), "sparse_allreduce_async", "tensor values")
+    try:
+        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
+            raise TypeError(f"sparse_allreduce_async: tensor must be a sparse COO torch tensor, got "
+                            f"{getattr(tensor, 'layout', type(tensor).__name__)}.")
+        try:
+            op = ReduceOp(op)
+        except ValueError:
+            raise ValueError(f"sparse_allreduce_async: op must be Average or Sum, got {op!r}.") from None
+        if op not in (Average, Sum):
+            raise ValueError(f"sparse_allreduce_async: op must be Average or Sum, got {op!r}.")
+        t = tensor.coalesce() if not tensor.is_coalesced() else tensor
+        indices = t.indices().t().contiguous()
+        values = check_tensor(t.values().contiguous(), "sparse_allreduce_async", "tensor values")
+    except Exception as exc:  # announced under both names, so ranks that made the call fail too
+        for part in ("values", "indices"):
+            try:
+                hvddp.allgather_async(Refusal(exc), f"{name}.{part}", process_set)
+            except Exception:  # (the refusal, announced)
+                pass
+        raise
     h_values = hvddp.allgather_async(source(values), f"{name}.values", process_set)
     h_indices = hvddp.allgather_async(source(indices), f"{name}.indices", process_set)
     n = process_set.size()

@@ -75,8 +75,10 @@ class Engine:
         self._queue: List[Entry] = []
         self._names: set = set()
         self._refused: Dict[tuple, Entry] = {}  # key -> the request of a call refused here
-        # key -> (entries of a later call under that name, the refused keys it still waits for)
-        self._parked: Dict[tuple, tuple] = {}
+        # key -> the calls waiting behind its refusal, in order: (entries, the refused keys
+        # each still waits for, whether it is a refusal too)
+        self._parked: Dict[tuple, List[tuple]] = {}
+        self._join_behind: Optional[List[Entry]] = None  # a join waiting for parked calls
         self._pending: Dict[tuple, Entry] = {}
         self._join_mode = False
         self._shutdown_requested = False
@@ -97,17 +99,18 @@ class Engine:
 
     # User thread -------------------------------------------------------------------------
     def submit(self, entries: List[Entry]) -> None:
-        """Queue entries (all or none); a name already pending is a ``ValueError``. A name still
-        held by a refused call (``submit_refused``: the caller raised, and is now retrying) parks
-        the entries instead, returning at once: they are queued when the refusal has met the
-        other ranks' calls, so the retry meets their next ones."""
+        """Queue entries (all or none); a name already pending is a ``ValueError``.
+
+        A name held by a call this rank refused (``submit_refused``: the caller raised, and is
+        now retrying) parks the entries instead and returns at once: they are queued when the
+        refusal has met the other ranks' calls, so the retry meets their next ones. A ``join``
+        waits behind parked calls, so that they still meet the ranks that joined."""
         with self._lock:
             if self._error is not None:
                 raise type(self._error)(str(self._error))
             keys = [e.key for e in entries]
-            held = [k for k in keys if k in self._refused]
             for key in keys:
-                if key in self._names and (key not in self._refused or key in self._parked):
+                if key in self._names and not self._behind_refusals(key):
                     raise ValueError(
                         f"a collective named {key[1]!r} is already pending; wait for it (or give "
                         f"this one another name) before submitting it again.")
@@ -116,43 +119,77 @@ class Engine:
                 raise ValueError(f"the name {dup[1]!r} appears twice in one grouped call; names "
                                  f"must be unique.")
             self._names.update(keys)
-            if held:
-                parked = (entries, set(held))
-                for key in held:
-                    self._parked[key] = parked
+            if entries[0].request.kind is Kind.JOIN and self._parked:
+                self._join_behind = entries
                 return
-            self._queue.extend(entries)
-            self._cv.notify()
+            if not self._park(entries, refused=False):
+                self._queue.extend(entries)
+                self._cv.notify()
 
     def submit_refused(self, entries: List[Entry]) -> None:
         """Announce calls this rank refused (their requests carry the reason), so that ranks
         which made them validly fail with a ``MismatchError`` instead of waiting for this one.
-        Not announced when a name is already pending here (that earlier call meets the others)
-        or appears twice (the others refuse such a call without submitting it)."""
+        Behind an earlier refusal under the same name it is parked, as a retry is. Not announced
+        when a name is held by a valid call here (that earlier call meets the others) or
+        appears twice (the others refuse such a call without submitting it)."""
         keys = [e.key for e in entries]
         with self._lock:
             if self._error is not None or len(set(keys)) != len(keys) or \
-                    any(k in self._names for k in keys):
+                    any(k in self._names and not self._behind_refusals(k) for k in keys):
                 return
             for entry in entries:
                 entry.sig = None  # never announced through the cache: rank 0 must see the reason
-                self._refused[entry.key] = entry
             self._names.update(keys)
-            self._queue.extend(entries)
-            self._cv.notify()
+            if not self._park(entries, refused=True):
+                self._start(entries, refused=True)
+
+    # (the helpers below run under the lock)
+    def _behind_refusals(self, key: tuple) -> bool:
+        """Whether a new call under ``key`` would wait only behind refusals (not a valid call)."""
+        return key in self._refused and all(p[2] for p in self._parked.get(key, ()))
+
+    def _park(self, entries: List[Entry], refused: bool) -> bool:
+        """Park ``entries`` behind the refusals holding some of their names; False if none does."""
+        held = {e.key for e in entries if e.key in self._refused}
+        if not held:
+            return False
+        parked = (entries, held, refused)
+        for key in held:
+            self._parked.setdefault(key, []).append(parked)
+        return True
+
+    def _start(self, entries: List[Entry], refused: bool) -> None:
+        if refused:
+            for entry in entries:
+                self._refused[entry.key] = entry
+        self._queue.extend(entries)
+        self._cv.notify()
 
     def _release_refused(self, key: tuple) -> None:
-        """A refusal met the others (or its set went away): free its name, or hand it to the
-        retry parked behind it, queued once none of its names waits on a refusal. Under the lock."""
+        """A refusal met the others: free its name, or pass it to the next call parked behind it
+        (started once none of its names waits on a refusal); then a held ``join`` may go."""
         self._refused.pop(key, None)
-        parked = self._parked.pop(key, None)
-        if parked is None:
+        queue = self._parked.get(key)
+        if not queue:
+            self._parked.pop(key, None)
             self._names.discard(key)
-            return
-        entries, waiting = parked
-        waiting.discard(key)
-        if not waiting:
-            self._queue.extend(entries)
+        else:
+            parked = queue.pop(0)
+            if not queue:
+                del self._parked[key]
+            parked[1].discard(key)
+            if not parked[1]:
+                self._start(parked[0], parked[2])
+        self._release_join()
+
+    def _release_join(self) -> None:
+        if self._join_behind is not None and not self._parked:
+            self._start(self._join_behind, refused=False)
+            self._join_behind = None
+
+    def _all_parked(self) -> List[Entry]:
+        batches = {id(p): p for queue in self._parked.values() for p in queue}
+        return [e for p in batches.values() for e in p[0]] + (self._join_behind or [])
 
     def submit_one(self, entry: Entry) -> None:
         """``submit([entry])`` without the list: the per-gradient hot path."""
@@ -462,12 +499,13 @@ class Engine:
                 orphans += [e for e in self._queue if e.request.ps_id == ps_id]
                 self._queue = [e for e in self._queue if e.request.ps_id != ps_id]
                 for key in [k for k in self._parked if k[0] == ps_id]:
-                    entries, _ = self._parked.pop(key)
-                    orphans += [e for e in entries if e not in orphans]
+                    for entries, _, _ in self._parked.pop(key):
+                        orphans += [e for e in entries if e not in orphans]
                 for e in orphans:
                     self._pending.pop(e.key, None)
                     self._names.discard(e.key)
                     self._refused.pop(e.key, None)
+                self._release_join()
             if self.coordinator is not None:  # rank 0 forgets them too: no stall, no late answer
                 self.coordinator.forget_process_set(ps_id)
             for e in orphans:
@@ -493,13 +531,12 @@ class Engine:
             _faults.world_broken(f"{type(error).__name__}: {error}")
         with self._lock:
             self._error = error
-            entries = list(taken) + list(self._pending.values()) + self._queue
-            for parked, _ in {id(p): p for p in self._parked.values()}.values():
-                entries += parked
+            entries = list(taken) + list(self._pending.values()) + self._queue + self._all_parked()
             self._pending.clear()
             self._queue = []
             self._names.clear()
             self._refused.clear()
             self._parked.clear()
+            self._join_behind = None
         for entry in entries:
             entry.fail(type(error)(f"{entry.request.kind.value} {entry.request.name!r}: {error}"))

@@ -14,8 +14,9 @@ import re
 import threading
 from typing import Dict
 
-# <prefix ending in .noname.><n>, optionally .<i> for a member of a group
-_AUTOMATIC = re.compile(r"^(.+\.noname\.)(\d+)(?:\.(?:\d+|size|data|ok))?$")
+# <prefix ending in .noname.><n>, optionally .<i> for a member of a group, or the suffix of one
+# of the collectives an object or sparse call is made of (.size/.data/.ok, .values/.indices)
+_AUTOMATIC = re.compile(r"^(.+\.noname\.)(\d+)(?:\.(?:\d+|size|data|ok|values|indices))?$")
 
 
 class AutoNames:
