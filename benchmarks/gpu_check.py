@@ -250,7 +250,28 @@ def allreduce_cases(gx, comm, size, rank, tag):
                     bad = np.flatnonzero(got.view(np.uint8) != want.view(np.uint8))[:3]
                     failures.append(f"{dtype} {op!r} {mode}[{i}]: differs at byte {bad.tolist()} "
                                     f"got {got[:4]} want {want[:4]}")
-    # a joined rank's zeros (entry None) in a fused batch, size 1: output of the others only
+    # a joined rank (the last; its items carry no entry) contributes each op's identity, so
+    # Min, Max and Product are the other ranks' (zeros would make a Min of positives 0)
+    if size > 1:
+        wire = wire_for("float32", gx.path, gx.bf16)
+        for op in (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT):
+            xs = [[np.abs(sample("float32", n, seed=31 * r + i + 5)) + 1 for i, n in enumerate((5, 300))]
+                  for r in range(size)]
+            batch, entries = [], []
+            for i, x in enumerate(xs[rank]):
+                e = make_entry(Kind.ALLREDUCE, f"{tag}.joined.{op!r}.{i}", to_device(x), "float32", op, 1.0, 1.0)
+                batch.append((e.request, None if rank == size - 1 else e, None))
+                entries.append(e)
+            gx.allreduce_batch(batch)
+            gx.flush()
+            if rank == size - 1:
+                continue
+            for i, e in enumerate(entries):
+                n_checks += 1
+                got = to_host(result(e), "float32").reshape(-1)
+                want = reference([xs[r][i] for r in range(size - 1)], "float32", wire, op, 1.0, 1.0)
+                if not np.allclose(got, want, rtol=1e-5):
+                    failures.append(f"joined rank, float32 {op!r}[{i}]: got {got[:4]} want {want[:4]}")
     return n_checks, failures
 
 

@@ -465,6 +465,32 @@ def test_join_contributes_zeros_and_returns_last_rank():
         np.testing.assert_array_equal(out, np.full(3, ranks_with_data))
 
 
+@pytest.mark.parametrize("elements", [4, 400_000])  # fused; on its own memory (or single copy)
+def test_a_joined_rank_leaves_min_max_and_product_to_the_others(elements):
+    """A joined rank contributes each op's identity, not zeros: Min, Max and Product are the
+    reduction over the ranks that still have data (with zeros, as Horovod's, a Min over positive
+    values would be 0 and a Product 0); Sum and Average are unchanged (Average divides by N)."""
+    if N == 1:
+        pytest.skip("needs two ranks")
+    if R == N - 1:
+        assert hvddp.join() in range(N - 1)  # (the others join after their reductions)
+        return
+    value = float(R + 2)
+    cases = [("float32", hvddp.Min, 2.0), ("float32", hvddp.Max, float(N)),
+             ("int32", hvddp.Min, 2), ("int32", hvddp.Max, N),
+             ("float64", hvddp.Product, float(np.prod(np.arange(2, N + 1)))),
+             ("float16", hvddp.Min, 2.0), ("bfloat16", hvddp.Max, float(N)),
+             ("float32", hvddp.Sum, float(sum(range(2, N + 1)))),
+             ("float32", hvddp.Average, float(sum(range(2, N + 1))) / N)]
+    for dtype, op, expected in cases:
+        dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype
+        out = hvddp.allreduce(np.full(elements, value, dtype=dt), op=op, name=f"joined.{dtype}.{op}.{elements}")
+        np.testing.assert_allclose(out.astype(np.float64), expected, rtol=1e-3, err_msg=f"{dtype} {op}")
+    flags = hvddp.allreduce(np.ones(elements, dtype=bool), op=hvddp.Min, name=f"joined.bool.{elements}")
+    assert flags.all()  # logical and over the ranks with data: the joined rank's True leaves it
+    hvddp.join()
+
+
 def test_allgather_while_a_rank_has_joined_raises_everywhere():
     if N == 1:
         pytest.skip("needs two ranks")

@@ -27,6 +27,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..engine.executor import joined_value
 from ..engine.messages import Kind, ReduceOp, Request
 from ..exceptions import HvddpError
 from . import gpu_pack
@@ -315,6 +316,12 @@ class GpuExecutor:
                     src = [0 if items[i][1] is None else items[i][1].input.data.ptr for i in sub]
                     keep.append(gpu_pack.launch_copy(sub_plan, dtypes[sub[0]], wire, src,
                                                      [fused[i] for i in sub], pre, stream))
+                if request0.op in (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT):
+                    with stream:  # a joined rank's slices (packed as zeros) hold the op's identity
+                        for i, it in enumerate(items):
+                            if it[1] is None and counts[i]:
+                                buf[plan.offsets[i]:plan.offsets[i] + counts[i]].fill(
+                                    joined_value(request0.op, buf.dtype))
                 averaged = False
                 if plan.total:
                     if adasum:

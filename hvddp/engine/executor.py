@@ -318,7 +318,7 @@ class Executor:
                     offset += n
                     views.append(view)
                     if entry is None:
-                        view.fill(0)
+                        view.fill(joined_value(request.op, view.dtype))
                     else:
                         _scaled_copy(view, entry.input.reshape(-1), pre)
                 if tl:
@@ -481,11 +481,31 @@ def _post_factor(request: Request, size: int) -> float:
     return factor
 
 
+def joined_value(op: int, dtype: np.dtype):
+    """What a rank that has joined contributes to an allreduce: the op's identity, so that the
+    result is the other ranks' reduction (zeros for Sum, Average and Adasum; the dtype's largest
+    value for Min, its smallest for Max, one for Product). Average still divides by the whole
+    set's size, as in Horovod; Horovod's joined ranks contribute zeros to every op, which makes
+    a Min over positive values 0."""
+    if op not in (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT):
+        return 0
+    if op == ReduceOp.PRODUCT:
+        return 1
+    dtype = np.dtype(dtype)
+    if dtype.kind == "b":
+        return op == ReduceOp.MIN
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return info.max if op == ReduceOp.MIN else info.min
+    return np.inf if op == ReduceOp.MIN else -np.inf  # float16/32/64, bfloat16
+
+
 def _buffers(request: Request, entry: Optional[Entry], pool: OutputPool):
     """Source and destination of a direct (unfused) reduction."""
-    if entry is None:  # a joined rank contributes zeros
-        zeros = np.zeros(int(np.prod(request.shape, dtype=np.int64)), dtype=_dtype(request.dtype))
-        return zeros, zeros
+    if entry is None:  # a joined rank contributes the op's identity
+        dtype = _dtype(request.dtype)
+        own = np.full(int(np.prod(request.shape, dtype=np.int64)), joined_value(request.op, dtype), dtype=dtype)
+        return own, own
     src = entry.input.reshape(-1)
     if entry.output is entry.input:  # in place: one buffer, reduced with MPI_IN_PLACE
         return src, src
