@@ -711,9 +711,10 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
 def join(device: int = -1) -> int:
     """Declare that this rank has no more data; return the last rank to join.
 
-    Until every rank has joined, this rank takes part in other ranks' allreduces with zeros
-    (Average still divides by the full size), so ranks with uneven amounts of data can finish
-    their epochs. allgather, broadcast, alltoall and reducescatter raise on every rank while
+    Until every rank has joined, this rank takes part in other ranks' allreduces with each
+    op's identity (zeros for Sum and Average, which still divides by the full size; the largest
+    value for Min, the smallest for Max, one for Product), so ranks with uneven amounts of data
+    can finish their epochs. allgather, broadcast, alltoall and reducescatter raise on every rank while
     some rank has joined. ``device`` is accepted for Horovod compatibility and ignored.
     """
     return _control(Kind.JOIN, "__join__", global_process_set, "join").wait()

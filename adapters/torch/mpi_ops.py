@@ -674,8 +674,9 @@ def synchronize(handle: Any, timeout: Optional[float] = None) -> Any:
 def join(device: int = -1) -> int:
     """Declare that this rank has no more batches; return the last rank to join.
 
-    Until every rank has joined, this rank contributes zeros to the others' allreduces (so a
-    ``DistributedOptimizer`` step on the other ranks still completes). ``device`` is ignored.
+    Until every rank has joined, this rank contributes zeros to the others' Sum and Average
+    allreduces (so a ``DistributedOptimizer`` step on the other ranks still completes), and the
+    op's identity to Min, Max and Product. ``device`` is ignored.
     """
     return hvddp.join(device)
 
