@@ -233,8 +233,8 @@ def _group_id(names: Sequence[str], ps_id: int) -> str:
 class _refusing:
     """``with _refusing(state, view, kind, names):`` around the checks of a call's own arguments
     (tensors, dtypes, op, factors, root, splits), once its names are known. When they raise
-    here (``TypeError``, ``ValueError``, or anything else), this rank announces the refusal under those names and
-    the error propagates: a rank that made the call validly then fails with ``MismatchError``
+    (``TypeError``, ``ValueError``, anything), this rank announces the refusal under those names
+    and the error propagates: a rank that made the call validly then fails with ``MismatchError``
     naming this rank and the reason, instead of waiting for it forever."""
 
     __slots__ = ("state", "view", "kind", "names")
@@ -334,7 +334,7 @@ def _allreduce(fn: str, tensors: Sequence[Any], average, name, op, prescale_fact
     state, view = _process_set(process_set, fn)
     name = _check_name(name, fn)
     if grouped:
-        if not _listed(tensors) and _listed(names):
+        if not _is_list(tensors) and _is_list(names):
             names = names[:1]
         base, names = _member_names(fn, name, names, _members(tensors), "grouped_allreduce", process_set)
     else:
@@ -463,18 +463,18 @@ def grouped_allreduce_(tensors: Sequence[np.ndarray], average: Optional[bool] = 
                                     process_set, names).wait()
 
 
-def _listed(tensors: Any) -> bool:
-    return isinstance(tensors, (list, tuple)) and not isinstance(tensors, np.ndarray)
+def _is_list(tensors: Any) -> bool:
+    return isinstance(tensors, (list, tuple))
 
 
 def _members(tensors: Any) -> int:
     """How many names a grouped call takes: one per tensor, or one for a call refused because
     ``tensors`` is no list (announced under the first member's name: its group then fails)."""
-    return len(tensors) if _listed(tensors) else 1
+    return len(tensors) if _is_list(tensors) else 1
 
 
 def _seq(tensors: Any, fn: str) -> list:
-    if isinstance(tensors, np.ndarray) or not isinstance(tensors, (list, tuple)):
+    if not _is_list(tensors):
         raise TypeError(f"{fn}: tensors must be a list or tuple of arrays, got {type(tensors).__name__}.")
     return list(tensors)
 

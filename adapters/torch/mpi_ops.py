@@ -96,7 +96,7 @@ def _announce(core_fn, core_params, sig, first: str, exc: BaseException, args, k
 def _tensors(tensors: Any, fn: str) -> List[torch.Tensor]:
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
         raise TensorArgumentError(f"{fn}: tensors must be a list or tuple of torch tensors, got "
-                        f"{type(tensors).__name__}.")
+                                  f"{type(tensors).__name__}.")
     return [check_tensor(t, fn, f"tensors[{i}]") for i, t in enumerate(tensors)]
 
 
@@ -320,12 +320,9 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: ReduceOp = Avera
         if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
             raise TypeError(f"sparse_allreduce_async: tensor must be a sparse COO torch tensor, got "
                             f"{getattr(tensor, 'layout', type(tensor).__name__)}.")
-        try:
-            op = ReduceOp(op)
-        except ValueError:
-            raise ValueError(f"sparse_allreduce_async: op must be Average or Sum, got {op!r}.") from None
-        if op not in (Average, Sum):
+        if op not in (Average, Sum):  # (ReduceOp members and their ints)
             raise ValueError(f"sparse_allreduce_async: op must be Average or Sum, got {op!r}.")
+        op = ReduceOp(op)
         t = tensor.coalesce() if not tensor.is_coalesced() else tensor
         indices = t.indices().t().contiguous()
         values = check_tensor(t.values().contiguous(), "sparse_allreduce_async", "tensor values")

@@ -74,7 +74,7 @@ class Engine:
         self._sleeping = False
         self._queue: List[Entry] = []
         self._names: set = set()
-        self._refused: Dict[tuple, Entry] = {}  # key -> the request of a call refused here
+        self._refused: set = set()  # keys of calls refused here, still being negotiated
         # key -> the calls waiting behind its refusal, in order: (entries, the refused keys
         # each still waits for, whether it is a refusal too)
         self._parked: Dict[tuple, List[tuple]] = {}
@@ -160,15 +160,14 @@ class Engine:
 
     def _start(self, entries: List[Entry], refused: bool) -> None:
         if refused:
-            for entry in entries:
-                self._refused[entry.key] = entry
+            self._refused.update(e.key for e in entries)
         self._queue.extend(entries)
         self._cv.notify()
 
     def _release_refused(self, key: tuple) -> None:
         """A refusal met the others: free its name, or pass it to the next call parked behind it
         (started once none of its names waits on a refusal); then a held ``join`` may go."""
-        self._refused.pop(key, None)
+        self._refused.discard(key)
         queue = self._parked.get(key)
         if not queue:
             self._parked.pop(key, None)
@@ -504,7 +503,7 @@ class Engine:
                 for e in orphans:
                     self._pending.pop(e.key, None)
                     self._names.discard(e.key)
-                    self._refused.pop(e.key, None)
+                    self._refused.discard(e.key)
                 self._release_join()
             if self.coordinator is not None:  # rank 0 forgets them too: no stall, no late answer
                 self.coordinator.forget_process_set(ps_id)
