@@ -526,6 +526,8 @@ def _run(cmd: List[str], status_dir: str, np_: int, monitored: bool = True) -> i
 
     def forward(signum, _frame):
         stopped_by.append(signal.Signals(signum).name)
+        if signum == signal.SIGINT and from_terminal:  # a terminal's Ctrl-C reached mpiexec too
+            return  # (one process group); a SIGINT sent to hvddprun alone is passed on
         try:
             proc.send_signal(signum)
         except OSError:
@@ -533,7 +535,9 @@ def _run(cmd: List[str], status_dir: str, np_: int, monitored: bool = True) -> i
 
     started = time.time()
     from_terminal = _in_terminal_foreground()
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGHUP)}
+    # SIGINT too gets a handler rather than a KeyboardInterrupt, which could land anywhere in the
+    # loop below (in the status check, say), escape it and leave the launcher running unwatched
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
     first_failure = None  # when a rank's failure was first seen, while the launcher still ran
     stopping = 0.0  # when hvddprun stopped the launcher itself
     try:
@@ -555,12 +559,6 @@ def _run(cmd: List[str], status_dir: str, np_: int, monitored: bool = True) -> i
                     proc.terminate()
                 elif stopping and now - stopping > _STOP_AFTER_S:
                     proc.kill()
-            except KeyboardInterrupt:  # a terminal's Ctrl-C reached mpiexec too (one group); a
-                if not from_terminal:  # SIGINT sent to hvddprun alone is passed on, once
-                    forward(signal.SIGINT, None)
-                else:
-                    stopped_by.append("SIGINT")
-                continue
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

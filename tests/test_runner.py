@@ -260,7 +260,11 @@ def test_a_signal_to_hvddprun_alone_stops_the_job(signame):
             up += line.count("rank-is-up")  # (two ranks' lines can share one)
         start = time.monotonic()
         proc.send_signal(getattr(signal, signame))
-        out, _ = proc.communicate(timeout=30)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # show what hvddprun said before it hung
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"hvddprun still ran 30 s after {signame}:\n{proc.communicate()[0]}")
         assert proc.returncode != 0, out
         assert time.monotonic() - start < 20, out
         assert f"hvddprun: stopped by {signame}, which it passed on to the launcher.\n" in out, out
