@@ -42,8 +42,14 @@ def check_same_lists(name: str, labels: Sequence[str], shapes: Sequence[tuple], 
 def _describe(first: list, other: list, rank: int) -> str:
     """What differs between rank 0's list and ``rank``'s (shapes and dtypes), or ''."""
     if len(first) != len(other):
+        names0, names1 = [entry[0] for entry in first], [entry[0] for entry in other]
+        only = [f"only rank {r} has {', '.join(repr(n) for n in extra)}"
+                for r, extra in ((0, [n for n in names0 if n not in names1]),
+                                 (rank, [n for n in names1 if n not in names0])) if extra]
         return (f"ranks reduce different numbers of tensors: rank 0 has {len(first)}, rank {rank} "
-                f"has {len(other)}. Every rank must build the same model and pass the same variables.")
+                f"has {len(other)}{' (' + '; '.join(only) + ')' if only else ''}. Every rank must build "
+                f"the same model and pass the same variables (and, in hvddp.keras with "
+                f"backward_passes_per_step > 1, have the same None gradients).")
     for i, ((l0, s0, d0), (l1, s1, d1)) in enumerate(zip(first, other)):
         if (s0, d0) != (s1, d1):
             return (f"tensor lists differ across ranks at position {i}: rank 0 has {l0!r} {s0} {d0}, "
@@ -110,7 +116,7 @@ def reduce_group(arrays: Sequence[np.ndarray], base: str, labels: Sequence[str],
 
 def _name_member(message: str, base: str, labels: Sequence[str]) -> str:
     match = re.search(re.escape(base) + r"\.(\d+)", message)
-    if match and int(match.group(1)) < len(labels):
+    if match and int(match.group(1)) < len(labels) and "group differs" not in message:
         return f"{message} (member {match.group(1)} is the gradient of {labels[int(match.group(1))]!r})"
     return message
 
