@@ -109,24 +109,65 @@ def test_fit_parity(opt):
     assert_replicas_identical(model.get_weights(), f"parity.{opt}")
 
 
-def test_backward_passes_per_step():
-    """Two batches per update, gradients summed over the passes (Horovod's default)."""
+def count_reductions(monkeypatch):
+    """A list that gets the name of every grouped allreduce the optimizer starts (the calls still
+    go through to hvddp)."""
+    import hvddp
+
+    names, real = [], hvddp.grouped_allreduce_async
+
+    def counted(*args, **kwargs):
+        names.append(kwargs.get("name"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hvddp, "grouped_allreduce_async", counted)
+    return names
+
+
+def test_backward_passes_per_step(monkeypatch):
+    """Two batches per update, gradients summed over the passes (Horovod's default), reduced once
+    per update (not once per batch), the unused weight's None gradient skipped as in one process."""
     x, y = global_data()
-    model = make_model(unused=False)
+    model = make_model()
     initial = model.get_weights()
-    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2),
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                     backward_passes_per_step=2),
                   loss="sparse_categorical_crossentropy")
-    model.fit(shard(x), shard(y), batch_size=GLOBAL_BATCH // SIZE, epochs=1, shuffle=False, verbose=0)
-    reference = make_model(unused=False)
+    reductions = count_reductions(monkeypatch)
+    model.fit(shard(x), shard(y), batch_size=GLOBAL_BATCH // SIZE, epochs=2, shuffle=False, verbose=0)
+    assert reductions == ["keras.grads"] * STEPS, reductions  # 2 epochs of STEPS batches, 2 per update
+    reference = make_model()
     reference.set_weights(initial)
     # Keras averages the accumulated passes; twice the rate gives the sum.
     reference.compile(optimizer=keras.optimizers.SGD(0.2, gradient_accumulation_steps=2),
                       loss="sparse_categorical_crossentropy")
-    reference.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
     for got, want in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert not np.allclose(model.get_weights()[0], initial[0])
+    np.testing.assert_array_equal(ops.convert_to_numpy(model.layers[1].unused), np.ones(3))
     assert_replicas_identical(model.get_weights(), "passes")
+
+
+def test_passes_with_a_gradient_only_some_ranks_have_fail_on_every_rank(monkeypatch):
+    """With deferred passes Keras drops a None gradient before hvddp sees it, so ranks whose None
+    gradients differ reduce different lists: a MismatchError naming the variable, on every rank,
+    at the update pass (the first pass reduces nothing)."""
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), backward_passes_per_step=2)
+    a, b = keras.Variable(np.zeros(2, "float32"), name="a"), keras.Variable(np.zeros(3, "float32"), name="b")
+    opt.build([a, b])
+    reductions = count_reductions(monkeypatch)
+
+    def grads():
+        return [ops.ones(2), ops.ones(3) if RANK == 0 else None]
+
+    opt.apply(grads(), [a, b])
+    assert reductions == []
+    # (JAX re-raises what its callbacks raise as its own error, with the message)
+    with pytest.raises(Exception if BACKEND == "jax" else hvd.MismatchError, match="only rank 0 has 'b'"):
+        opt.apply(grads(), [a, b])
+    assert reductions == ["keras.grads"]
+    assert hvd.allgather_object("after") == ["after"] * SIZE  # and the engine goes on
 
 
 def test_wrapping_a_built_optimizer_with_passes_keeps_its_state():
@@ -748,10 +789,20 @@ def test_adasum_allreduce_helper():
     assert np.abs(want - np.mean([rank_input(r, (4, 3), 0) for r in range(SIZE)], axis=0)).max() > 0.1
     with pytest.raises(ValueError, match="op=Adasum applies to allreduce, grouped_allreduce"):
         hvd.reducescatter(np.ones((2 * SIZE,), "float32"), op=hvd.Adasum)
-    with pytest.raises(ValueError, match="does not combine accumulated passes"):
-        hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Adasum, backward_passes_per_step=2)
+    # accumulated passes: each rank sums its own, and the sums are combined once (Horovod's)
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), op=hvd.Adasum, backward_passes_per_step=2)
+    w = keras.Variable(np.zeros((4, 3), "float32"))
+    for seed in (10, 20):
+        opt.apply([ops.convert_to_tensor(rank_input(RANK, (4, 3), seed))], [w])
+    sums = [rank_input(r, (4, 3), 10) + rank_input(r, (4, 3), 20) for r in range(SIZE)]
+    np.testing.assert_allclose(ops.convert_to_numpy(w), -adasum_reference(sums), rtol=1e-5, atol=1e-6)
     if BACKEND == "jax":  # Keras' LossScaleOptimizer.apply fails eagerly on JAX, without hvddp too
         return
+    # where every pass is reduced on its own (under loss scaling), Adasum with passes is refused
+    opt = hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)), op=hvd.Adasum)
+    with pytest.raises(ValueError, match="op=Adasum with 2 passes per step combines"):
+        opt.apply([ops.ones((4, 3))], [w])
     # under loss scaling with a local variable (the finite flag and the presence flags are summed
     # beside the Adasum group): the shared gradient is the Adasum of the unscaled ones
     opt = hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)), op=hvd.Adasum)

@@ -841,8 +841,9 @@ def test_adasum_refusals():
         hvd.allreduce(tf.ones([2], tf.int32), op=hvd.Adasum)
     with pytest.raises(ValueError, match="gradient_predivide_factor only applies with op=Average"):
         hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Adasum, gradient_predivide_factor=2.0)
-    with pytest.raises(ValueError, match="does not combine accumulated passes"):
-        hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Adasum, backward_passes_per_step=2)
+    with pytest.raises(ValueError, match="op=Adasum with 2 passes per step combines"):  # (loss scaling)
+        hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)), op=hvd.Adasum,
+                                 backward_passes_per_step=2).apply([tf.ones([2])], [tf.Variable([0.0, 0.0])])
     x = tf.constant([1.0, 2.0])
     with tf.GradientTape() as tape:  # no gradient through the op (Horovod's reduces dy with Adasum)
         tape.watch(x)

@@ -31,7 +31,7 @@ _classes: Dict[type, type] = {}
 def _default_settings() -> Dict[str, Any]:
     return {"op": hvddp.Average, "gradient_predivide_factor": 1.0, "compression": Compression.none,
             "process_set": global_process_set, "postscale": 1.0, "passthrough": False, "in_stateless": False,
-            "local": {}, "scale_local_gradients": True}
+            "local": {}, "scale_local_gradients": True, "deferred": False, "deferred_variables": None, "passes": 1}
 
 
 class _DistributedOptimizerMixin:
@@ -159,21 +159,30 @@ class _DistributedOptimizerMixin:
 
         A ``None`` gradient is sent as zeros, so every rank submits the same group; one that no
         rank had is handed on as ``None`` (the wrapped optimizer skips it, as in one process).
+        With accumulated passes the average waits for the update pass (``_clip_gradients``).
         """
         settings = self._hvddp_settings()
         grads = list(grads)
         if trainable_variables is not None:
             trainable_variables = list(trainable_variables)
-        if not (settings["passthrough"] or settings["in_stateless"]):
-            variables = trainable_variables if trainable_variables is not None else self._trainable_variables
-            grads = self._hvddp_allreduce(grads, list(variables))
-        return super().apply(grads, trainable_variables)
+        variables = list(trainable_variables if trainable_variables is not None
+                         else getattr(self, "_trainable_variables", []))
+        deferred = self._hvddp_deferred(variables)
+        if not (settings["passthrough"] or settings["in_stateless"] or deferred):
+            _check_adasum_every_pass(settings)
+            grads = self._hvddp_allreduce(grads, variables)
+        settings["deferred"] = deferred
+        try:
+            return super().apply(grads, trainable_variables)
+        finally:
+            settings["deferred"] = False
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         """Average ``grads`` across ranks, then run the wrapped class's ``stateless_apply``."""
         settings = self._hvddp_settings()
         grads = list(grads)
-        if not settings["passthrough"]:
+        if not (settings["passthrough"] or self._hvddp_deferred(list(self._trainable_variables))):
+            _check_adasum_every_pass(settings)
             grads = self._hvddp_allreduce(grads, list(self._trainable_variables))
         settings["in_stateless"] = True
         try:
@@ -181,11 +190,62 @@ class _DistributedOptimizerMixin:
         finally:
             settings["in_stateless"] = False
 
+    def _hvddp_deferred(self, variables: List[Any]) -> bool:
+        """Whether this optimizer accumulates passes itself and averages only their sum, once per
+        update (Horovod's ``backward_passes_per_step``: one reduction per update, not per pass).
+        Not under a ``LossScaleOptimizer`` (its finite check must see averaged gradients at every
+        pass) nor with float8 scales (Keras assigns them at every pass): there each pass is
+        averaged before Keras accumulates it, the same sum with more traffic."""
+        settings = self._hvddp_settings()
+        return (not settings["passthrough"] and (self.gradient_accumulation_steps or 1) > 1
+                and not isinstance(self, _LossScaleOptimizer) and not any(_overwritten(v) for v in variables))
+
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        settings = self._hvddp_settings()
+        if not settings.get("deferred"):
+            return super()._backend_apply_gradients(grads, trainable_variables)
+        settings["deferred_variables"] = list(trainable_variables)  # (Keras dropped the None ones)
+        try:
+            return super()._backend_apply_gradients(grads, trainable_variables)
+        finally:
+            settings["deferred_variables"] = None
+
+    def _clip_gradients(self, grads):
+        """With deferred passes, average the accumulated gradients across ranks on the update pass,
+        before clipping (and weight decay), as one process clips the whole batch's gradients.
+
+        Keras calls this with the passes' mean on the update pass (the TensorFlow and torch
+        backends only then; JAX at every pass, keeping the update only on that one), so the
+        reduction runs under ``cond`` on the update pass alone, inside compiled steps too.
+        Which gradients are None is each rank's (Keras drops them first): ranks that differ there
+        get a ``MismatchError`` naming the variables, on every rank.
+        """
+        variables = self._hvddp_settings().get("deferred_variables")
+        if variables is not None:
+            grads = list(grads)
+            update = (self._iterations + 1) % self.gradient_accumulation_steps == 0
+            grads = keras.ops.cond(update, lambda: self._hvddp_allreduce(list(grads), variables),
+                                   lambda: list(grads))
+        return super()._clip_gradients(grads)
+
     def build(self, var_list):
         outer = _enclosing_loss_scale_optimizer(self)
         if outer is not None:
             _move_reduction_to(outer, self)
         return super().build(var_list)
+
+
+def _check_adasum_every_pass(settings: Dict[str, Any]) -> None:
+    """Refuse Adasum where each accumulated pass is reduced on its own (see ``_hvddp_deferred``):
+    the Adasum of each pass, summed, is not the Adasum of the sums, which Horovod takes. Raised on
+    every rank (they share the configuration), before anything is reduced."""
+    if settings["op"] is hvddp.Adasum and settings["passes"] > 1:
+        raise ValueError(
+            f"DistributedOptimizer: op=Adasum with {settings['passes']} passes per step combines the "
+            f"accumulated passes once, where the optimizer accumulates them itself; under a "
+            f"LossScaleOptimizer (the mixed_float16 policy) or with float8 layers each pass is reduced "
+            f"on its own, and the Adasum of each pass summed is not the Adasum of the sums. Use "
+            f"op=Average there, or one pass per step.")
 
 
 def _check_no_global_clipnorm(optimizer: Any) -> None:
@@ -353,16 +413,10 @@ def _settings(op, gradient_predivide_factor, compression, process_set, postscale
                         f"Received: process_set={type(process_set).__name__}.")
     if op is hvddp.Adasum:
         _grouping.check_adasum_size(process_set, "DistributedOptimizer")
-        if passes > 1:  # hvddp reduces every pass; Horovod combines the accumulated passes once
-            raise ValueError(f"DistributedOptimizer: op=Adasum does not combine accumulated passes in "
-                             f"hvddp (it reduces at every pass, and the Adasum of each pass summed is not "
-                             f"the Adasum of the sums, which Horovod takes); Received: op=Adasum with "
-                             f"{passes} passes per step (backward_passes_per_step or the optimizer's "
-                             f"gradient_accumulation_steps). Use 1, or op=Average.")
     _grouping.check_compression(compression, "DistributedOptimizer")
     settings = _default_settings()
     settings.update(op=op, gradient_predivide_factor=factor, compression=compression, process_set=process_set,
-                    postscale=float(postscale))
+                    postscale=float(postscale), passes=passes)
     return settings
 
 
@@ -398,12 +452,16 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
         op: ``hvddp.Average`` (default), ``hvddp.Sum``, or ``hvddp.Adasum``: each step's
             gradients are combined by Adasum, per tensor (an extension: Horovod's Keras
             optimizers take Average and Sum only; its gradient tape combines this way)
-            (float gradients, a process set whose size is a power of two, one pass per step;
-            Horovod's guidance: the learning rate needs no scaling by the number of ranks).
+            (float gradients, a process set whose size is a power of two; with accumulated
+            passes, their sum is combined once per update, not under a ``LossScaleOptimizer``
+            or with float8 layers; Horovod's guidance: the learning rate needs no scaling by the
+            number of ranks).
             Local variables' gradients are not combined, as with any op.
         backward_passes_per_step: apply the update every this many batches, accumulating
-            gradients in between (Keras' ``gradient_accumulation_steps``). Gradients are still
-            averaged across ranks at every batch.
+            gradients in between (Keras' ``gradient_accumulation_steps``). Each rank sums its
+            passes and the sums are averaged across ranks once per update (Horovod's); under a
+            ``LossScaleOptimizer`` or with float8 layers every pass is averaged (the same
+            result, more traffic). A gradient that is None must then be None on every rank.
         average_aggregated_gradients: with ``backward_passes_per_step > 1``, average the
             accumulated gradients over the passes instead of summing them (Horovod's default).
         process_set: the ranks that average.
@@ -413,8 +471,9 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
 
     Raises:
         TypeError, ValueError: a bad argument (named in the message); with ``op=Adasum``, a
-            process set whose size is not a power of two, or more than one pass per step, on
-            every rank, before anything is reduced.
+            process set whose size is not a power of two, on every rank, before anything is
+            reduced (with more than one pass per step where each pass is reduced: at the first
+            step).
 
     Example:
         opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.001 * hvd.size()))
