@@ -7,12 +7,34 @@ the torch and JAX backends can use it without importing TensorFlow, and the bodi
 
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import numpy as np
 
 import hvddp
+from hvddp.exceptions import REFUSED
+
+
+@contextlib.contextmanager
+def announcing(core_fn: Callable, name: Optional[str], process_set: Any, members: int = 0,
+               **kwargs: Any) -> Iterator[None]:
+    """Run an adapter's own checks of a call; a ``ValueError`` or ``TypeError`` they raise is
+    announced under the call's ``name`` through ``core_fn`` (the core collective the call would
+    have made, given ``hvddp.ops.Refusal`` in place of its tensor, or ``members`` of them for a
+    group), then raised here. The ranks that made the call validly then raise ``MismatchError``
+    naming this rank, instead of waiting for it. ``name`` None: the core's automatic name, the
+    one the valid ranks' core call takes."""
+    try:
+        yield
+    except (ValueError, TypeError) as exc:
+        refusal = hvddp.ops.Refusal(exc)
+        try:
+            core_fn([refusal] * members if members else refusal, name=name, process_set=process_set, **kwargs)
+        except Exception:  # the refusal, raised by the core once announced (or a bad argument)
+            pass
+        raise
 
 def rows_here(rows: int, size: int, rank: int) -> int:
     """The rows of a reducescatter result on ``rank`` (the first ``rows % size`` get one more)."""
@@ -99,6 +121,8 @@ def reduce_group(arrays: Sequence[np.ndarray], base: str, labels: Sequence[str],
         results.append(out if isinstance(out, list) else [out])  # a one-member group gives a bare array
     if failure is not None and mismatch is None:
         raise failure
+    if mismatch is not None and REFUSED in str(mismatch):  # (the refusing ranks compare nothing)
+        raise mismatch
     if mismatch is not None:  # on every rank alike: compare the lists to say where
         message = _name_member(str(mismatch), base, labels)
         try:

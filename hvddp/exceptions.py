@@ -34,6 +34,8 @@ class MismatchError(HvddpError):
 
 # In a MismatchError's message when the ranks called different collectives under one name
 KIND_MISMATCH = "was submitted as different collectives"
+# ... and when some rank refused the call (its own checks raised there at once)
+REFUSED = "was refused on"
 
 
 class ShutdownError(HvddpError):

@@ -874,3 +874,39 @@ def test_bad_compression_and_a_rank_outside_the_set_are_named_where_they_are_giv
                 hvd.broadcast_variables([v], root_rank=0, process_set=first)
     finally:
         hvd.remove_process_set(first)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_a_tensor_refused_on_one_rank_fails_on_every_rank(mode):
+    """hvddp.tensorflow's own checks (a 0-d tensor where rows are needed, Adasum on integers)
+    refuse a call before the core sees it; on rank 0 alone, it raises that error at once (when
+    the function is traced) and the ranks that made the call validly raise an error naming rank 0
+    and the reason instead of waiting for it (eagerly MismatchError; inside a tf.function a
+    tf.errors error carrying its message). Unnamed calls after them still meet."""
+    bad = RANK == 0
+    wrap = (lambda f: f) if mode == "eager" else (lambda f: tf.function(f))
+    row = tf.ones([2]) if not bad else tf.ones([])
+    calls = [
+        ("allgather", wrap(lambda: hvd.allgather(row))),
+        ("reducescatter", wrap(lambda: hvd.reducescatter(tf.ones([2 * SIZE]) if not bad else tf.ones([])))),
+        ("grouped_allgather", wrap(lambda: hvd.grouped_allgather([tf.ones([1]), row]))),
+        ("grouped_reducescatter", wrap(lambda: hvd.grouped_reducescatter([tf.ones([SIZE]), row],
+                                                                         name="t.refused.grs"))),
+    ]
+    if SIZE & (SIZE - 1) == 0:  # (else every rank refuses Adasum for the set's size)
+        calls += [
+            ("allreduce", wrap(lambda: hvd.allreduce(tf.ones([2], tf.int32 if bad else tf.float32),
+                                                     op=hvd.Adasum, name=f"t.refused.adasum.{mode}"))),
+            ("grouped_allreduce", wrap(lambda: hvd.grouped_allreduce(
+                [tf.ones([2]), tf.ones([2], tf.int32 if bad else tf.float32)], op=hvd.Adasum))),
+        ]
+    for fn, call in calls:
+        if bad:
+            with pytest.raises(ValueError, match=fn):
+                call()
+        else:
+            with pytest.raises(Exception, match=rf"refused on rank\(s\) \[0\] \(ValueError: {fn}") as info:
+                call()
+            assert isinstance(info.value, (hvd.MismatchError, tf.errors.OpError)), repr(info.value)
+    got = wrap(lambda: hvd.allreduce(tf.constant([float(RANK)])))()
+    np.testing.assert_allclose(got.numpy(), [(SIZE - 1) / 2])

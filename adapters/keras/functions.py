@@ -32,21 +32,22 @@ def allreduce(value: Any, name: Optional[str] = None, average: Optional[bool] = 
     """
     op = _grouping.check_op(op, average, "allreduce", adasum=True)
     value = _backend.unwrap(value)
-    if op is hvddp.Adasum:
-        _grouping.check_adasum_size(process_set, "allreduce")
-        if not _backend.is_numpy(value) and "float" not in keras.backend.standardize_dtype(value.dtype):
-            raise ValueError(f"allreduce: value has dtype {keras.backend.standardize_dtype(value.dtype)}; "
-                             f"op=Adasum combines floating-point values only. Cast it first.")
-    if _backend.is_numpy(value):
+    if _backend.is_numpy(value):  # (the core checks it, and announces a refusal, as below)
         c, ctx = compression.compress(np.asarray(value))
         out = hvddp.allreduce(c, name=name, op=op, prescale_factor=prescale_factor,
                               postscale_factor=postscale_factor, process_set=process_set)
         return compression.decompress(out, ctx)
-    if _backend.name() == "tensorflow":
+    if _backend.name() == "tensorflow":  # (checks Adasum's dtype and size itself)
         from hvddp.tensorflow import allreduce as tf_allreduce
 
         return tf_allreduce(value, compression=compression, op=op, prescale_factor=prescale_factor,
                             postscale_factor=postscale_factor, name=name, process_set=process_set)
+    if op is hvddp.Adasum:  # refused on this rank alone: announced, so its peers do not wait
+        with _grouping.announcing(hvddp.allreduce, name, process_set, op=op):
+            _grouping.check_adasum_size(process_set, "allreduce")
+            if "float" not in keras.backend.standardize_dtype(value.dtype):
+                raise ValueError(f"allreduce: value has dtype {keras.backend.standardize_dtype(value.dtype)}; "
+                                 f"op=Adasum combines floating-point values only. Cast it first.")
 
     def fn(x):
         c, ctx = compression.compress(x)
@@ -107,8 +108,9 @@ def reducescatter(value: Any, name: Optional[str] = None, op: Any = None,
         return [np.asarray(hvddp.reducescatter(x, name=name, op=op, process_set=process_set), dtype=x.dtype)]
 
     shape = tuple(value.shape)
-    if not shape:
-        raise ValueError("reducescatter: value is 0-d; pass at least a 1-d tensor.")
+    with _grouping.announcing(hvddp.reducescatter, name, process_set, op=op):
+        if not shape:
+            raise ValueError("reducescatter: value is 0-d; pass at least a 1-d tensor.")
     size, rank = process_set.size(), process_set.rank()
     out_shape = (_grouping.rows_here(shape[0], size, rank),) + shape[1:]
     if backend == "jax":

@@ -157,8 +157,9 @@ def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "
     pre = float(prescale_factor)
     post = float(postscale_factor)
     tensor = _dense(tensor, "allreduce")
-    _check_adasum(op, [tensor], process_set, "allreduce")
     name = _name(name, "allreduce", process_set)
+    with _grouping.announcing(hvddp.allreduce, name, process_set, op=op):
+        _check_adasum(op, [tensor], process_set, "allreduce")
     _check_xla("allreduce")
     if op not in (hvddp.Average, hvddp.Sum):
         return _allreduce_raw(tensor, name, op, pre, post, compression, process_set)
@@ -199,8 +200,9 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, de
     tensors = [_dense(t, "grouped_allreduce") for t in tensors]
     if not tensors:
         return []
-    _check_adasum(op, tensors, process_set, "grouped_allreduce")
     name = _name(name, "grouped_allreduce", process_set)
+    with _grouping.announcing(hvddp.grouped_allreduce, name, process_set, len(tensors), op=op):
+        _check_adasum(op, tensors, process_set, "grouped_allreduce")
     _check_xla("grouped_allreduce")
     pre, post = float(prescale_factor), float(postscale_factor)
     labels = [f"{name}.{i}" for i in range(len(tensors))]
@@ -299,9 +301,10 @@ def allgather(tensor: Any, name: Optional[str] = None, ignore_name_scope: bool =
     The gradient averages the incoming gradient across ranks (Horovod's) and returns this rank's rows.
     """
     tensor = _dense(tensor, "allgather")
-    if tensor.shape.rank == 0:
-        raise ValueError("allgather: tensor is 0-d; pass at least a 1-d tensor (e.g. tf.reshape(t, [1])).")
     name = _name(name, "allgather", process_set)
+    with _grouping.announcing(hvddp.allgather, name, process_set):
+        if tensor.shape.rank == 0:
+            raise ValueError("allgather: tensor is 0-d; pass at least a 1-d tensor (e.g. tf.reshape(t, [1])).")
     _check_xla("allgather")
 
     def body(x):
@@ -434,9 +437,10 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
     op = _grouping.check_op(op, None, "reducescatter")
     _grouping.check_compression(compression, "reducescatter")
     tensor = _dense(tensor, "reducescatter")
-    if tensor.shape.rank == 0:
-        raise ValueError("reducescatter: tensor is 0-d; pass at least a 1-d tensor.")
     name = _name(name, "reducescatter", process_set)
+    with _grouping.announcing(hvddp.reducescatter, name, process_set, op=op):
+        if tensor.shape.rank == 0:
+            raise ValueError("reducescatter: tensor is 0-d; pass at least a 1-d tensor.")
     _check_xla("reducescatter")
     pre, post = float(prescale_factor), float(postscale_factor)
 
@@ -474,13 +478,11 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
 
 
 # grouped allgather, grouped reducescatter -----------------------------------------------------
-def _group_inputs(tensors: Sequence[Any], fn: str) -> List[tf.Tensor]:
-    """A grouped op's members as dense tensors, each at least 1-d (``fn`` names the errors)."""
-    tensors = [_dense(t, fn) for t in tensors]
+def _check_group_inputs(tensors: Sequence[tf.Tensor], fn: str) -> None:
+    """A grouped op's members must each be at least 1-d (``fn`` names the errors)."""
     for i, t in enumerate(tensors):
         if t.shape.rank == 0:
             raise ValueError(f"{fn}: tensors[{i}] is 0-d; pass at least 1-d tensors.")
-    return tensors
 
 
 def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None, ignore_name_scope: bool = False,
@@ -489,10 +491,12 @@ def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None, ignore
 
     Members are named ``<name>.<i>``; each has ``allgather``'s contract and gradient.
     """
-    tensors = _group_inputs(tensors, "grouped_allgather")
+    tensors = [_dense(t, "grouped_allgather") for t in tensors]
     if not tensors:
         return []
     name = _name(name, "grouped_allgather", process_set)
+    with _grouping.announcing(hvddp.grouped_allgather, name, process_set, len(tensors)):
+        _check_group_inputs(tensors, "grouped_allgather")
     _check_xla("grouped_allgather")
 
     def body(*xs):
@@ -535,10 +539,12 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compre
     """
     op = _grouping.check_op(op, None, "grouped_reducescatter")
     _grouping.check_compression(compression, "grouped_reducescatter")
-    tensors = _group_inputs(tensors, "grouped_reducescatter")
+    tensors = [_dense(t, "grouped_reducescatter") for t in tensors]
     if not tensors:
         return []
     name = _name(name, "grouped_reducescatter", process_set)
+    with _grouping.announcing(hvddp.grouped_reducescatter, name, process_set, len(tensors), op=op):
+        _check_group_inputs(tensors, "grouped_reducescatter")
     _check_xla("grouped_reducescatter")
     pre, post = float(prescale_factor), float(postscale_factor)
 

@@ -14,7 +14,7 @@ import logging
 from collections import OrderedDict
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
-from ..exceptions import KIND_MISMATCH
+from ..exceptions import KIND_MISMATCH, REFUSED
 from .messages import JOIN_TOLERANT, Kind, Request, Response, ReduceOp
 
 log = logging.getLogger("hvddp")
@@ -250,7 +250,7 @@ class Coordinator:
                 refused.setdefault(q.refused, []).append(r)
         if refused:  # before the fields: a refused request carries none of its arguments
             return Response(first.kind, key[0], key[1],
-                            f"{first.kind.value} {key[1]!r} was refused on "
+                            f"{first.kind.value} {key[1]!r} {REFUSED} "
                             + "; on ".join(f"rank(s) {ranks} ({why})" for why, ranks in refused.items())
                             + ", which raised at once; no rank runs it. Fix the call on those ranks.",
                             first)
