@@ -149,6 +149,47 @@ def test_backward_passes_per_step(monkeypatch):
     assert_replicas_identical(model.get_weights(), "passes")
 
 
+def test_passes_survive_a_broadcast_a_checkpoint_and_an_elastic_sync_between_updates():
+    """Between the passes of an update each rank's accumulators hold its own passes' sum, so what
+    copies rank 0's state to every rank (the broadcast callback, a checkpoint, an elastic sync)
+    first averages them: training that stops there (STEPS=3 batches per epoch, 2 passes per
+    update) and goes on ends where uninterrupted training does (rank 0's sums alone moved the
+    weights ~1e-1 away)."""
+    from hvddp.keras.checkpoint import load_checkpoint, save_checkpoint
+
+    x, y = global_data()
+    fit = dict(batch_size=GLOBAL_BATCH // SIZE, shuffle=False, verbose=0)
+
+    def compiled():
+        model = make_model(unused=False)
+        model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2),
+                      loss="sparse_categorical_crossentropy")
+        return model
+
+    want = compiled()
+    want.fit(shard(x), shard(y), epochs=2, **fit)
+    directory = hvd.broadcast_object(tempfile.mkdtemp() if RANK == 0 else None, 0, name="test.dir.passes")
+    path = os.path.join(directory, "passes.ckpt")
+    for how in ("broadcast", "checkpoint", "elastic"):
+        model = compiled()
+        model.fit(shard(x), shard(y), epochs=1, **fit)  # stops after the first pass of an update
+        callbacks = []
+        if how == "broadcast":
+            callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0)]
+        elif how == "checkpoint":
+            save_checkpoint(path, model, epoch=1)
+            model = compiled()
+            load_checkpoint(path, model)
+        else:
+            state = hvd.elastic.KerasState(model, epoch=1)
+            state.commit()
+            state.sync()
+        model.fit(shard(x), shard(y), epochs=2, initial_epoch=1, callbacks=callbacks, **fit)
+        for got, expected in zip(model.get_weights(), want.get_weights()):
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6, err_msg=how)
+        assert_replicas_identical(model.get_weights(), f"passes.{how}")
+
+
 def test_passes_with_a_gradient_only_some_ranks_have_fail_on_every_rank(monkeypatch):
     """With deferred passes Keras drops a None gradient before hvddp sees it, so ranks whose None
     gradients differ reduce different lists: a MismatchError naming the variable, on every rank,

@@ -14,6 +14,7 @@ from hvddp import ProcessSet, global_process_set
 
 from . import _backend
 from .functions import broadcast_variables
+from .optimizer import average_accumulators
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
            "LearningRateWarmupCallback"]
@@ -34,7 +35,9 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     for a model that its first step builds, at the end of that step, where Horovod always does).
 
     Differently initialised replicas (or a checkpoint restored on one rank) start equal. The
-    optimizer is built first if it is not yet, so its slots are broadcast too.
+    optimizer is built first if it is not yet, so its slots are broadcast too; gradient
+    accumulators between the passes of an update are averaged over the ranks first (see
+    ``optimizer.average_accumulators``).
 
     Args:
         root_rank: the rank whose values win.
@@ -98,7 +101,9 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             self._broadcast()
 
     def _broadcast(self):
-        variables = shared_variables(self.model, getattr(self.model, "optimizer", None), self._local)
+        optimizer = getattr(self.model, "optimizer", None)
+        variables = shared_variables(self.model, optimizer, self._local)
+        average_accumulators(optimizer, self.process_set, "keras.bcast_cb.accumulators")  # (between passes)
         broadcast_variables(variables, self.root_rank, process_set=self.process_set, prefix="keras.bcast_cb")
         self.broadcast_done = True
 

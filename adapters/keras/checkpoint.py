@@ -10,7 +10,8 @@
                          CheckpointCallback("ckpt/last.pkl")])
 
 A checkpoint holds rank 0's model variables and optimizer variables (built first if needed:
-iteration count, learning rate, moments), the epoch and step, any picklable ``extra``, and per
+iteration count, learning rate, moments; gradient accumulators between the passes of an update
+averaged over the ranks first, see ``optimizer.average_accumulators``), the epoch and step, any picklable ``extra``, and per
 rank the states that differ between replicas: the layers' ``SeedGenerator`` states, Keras'
 global seed generator, Python's and NumPy's global RNGs, on the torch backend torch's
 generators (unseeded ``Dropout`` draws from them there), and, when the optimizer has local
@@ -36,6 +37,8 @@ import numpy as np
 import hvddp
 from hvddp import checkpoint as _core
 from hvddp import global_process_set, ProcessSet
+
+from .optimizer import average_accumulators
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointCallback"]
 
@@ -204,6 +207,7 @@ def save_checkpoint(path: Union[str, os.PathLike], model: keras.Model, optimizer
     _sync(model)
     shared, own = _split(model)
     optimizer = _optimizer(model, optimizer)
+    average_accumulators(optimizer, process_set, "__hvddp.keras.checkpoint.accumulators")  # (between passes)
     local = _local_ids(optimizer)
     per_rank = None
     if rng or local:

@@ -21,11 +21,13 @@ from typing import Any
 import keras
 import numpy as np
 
+from hvddp import global_process_set
 from hvddp.elastic import HostsUpdatedInterrupt, ObjectState, State, VariablesState, run
 
 from . import _backend
 from .callbacks import shared_variables
 from .functions import broadcast_variables
+from .optimizer import average_accumulators
 
 __all__ = ["run", "State", "ObjectState", "KerasState", "TensorFlowKerasState", "HostsUpdatedInterrupt", "CommitStateCallback",
            "UpdateBatchStateCallback", "UpdateEpochStateCallback"]
@@ -67,6 +69,7 @@ class KerasState(VariablesState):
         return np.array(_backend.to_numpy(variable))
 
     def _broadcast(self, variables: list) -> None:
+        average_accumulators(self.optimizer, global_process_set, "keras.elastic.accumulators")  # (between passes)
         broadcast_variables(variables, root_rank=0, prefix="keras.elastic")
 
 

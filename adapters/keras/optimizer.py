@@ -235,6 +235,38 @@ class _DistributedOptimizerMixin:
         return super().build(var_list)
 
 
+def average_accumulators(optimizer: Any, process_set: ProcessSet, name: str) -> None:
+    """Make the gradient accumulators of an optimizer that defers its passes (``_hvddp_deferred``)
+    their average over its process set.
+
+    Between updates each rank's accumulators hold its own passes' sum: the one part of the
+    optimizer's state that differs between replicas. Copied from rank 0 to every rank (a
+    broadcast, a checkpoint rank 0 writes), the next update would use rank 0's partial sum
+    instead of the ranks' average; the average gives the update leaving them would (the update is
+    linear in them; with Adasum, close to it). Local variables' accumulators stay the rank's own.
+    Collective over ``process_set``'s members when it is the optimizer's set (same on every rank);
+    otherwise, and outside the set, nothing happens.
+    """
+    if not isinstance(optimizer, _DistributedOptimizerMixin) or not optimizer.built:
+        return
+    settings = optimizer._hvddp_settings()
+    ps = settings["process_set"]
+    if ps is not process_set or not ps.included() or ps.size() == 1:
+        return
+    variables = list(optimizer._trainable_variables)
+    if not optimizer._hvddp_deferred(variables):
+        return
+    shared = [v for v in variables if id(v) not in settings["local"]]
+    accumulators = [optimizer._accumulated_gradients[optimizer._get_variable_index(v)] for v in shared]
+    if not accumulators:
+        return
+    values = [np.array(_backend.to_numpy(a)) for a in accumulators]
+    averaged = _grouping.reduce_group(values, name, [v.path for v in shared], hvddp.Average, 1.0, 1.0,
+                                      Compression.none, ps)
+    for accumulator, value in zip(accumulators, averaged):
+        accumulator.assign(value)
+
+
 def _check_adasum_every_pass(settings: Dict[str, Any]) -> None:
     """Refuse Adasum where each accumulated pass is reduced on its own (see ``_hvddp_deferred``):
     the Adasum of each pass, summed, is not the Adasum of the sums, which Horovod takes. Raised on
