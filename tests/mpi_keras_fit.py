@@ -706,24 +706,30 @@ def test_registered_local_variables_keep_this_ranks_gradients(scale):
 
 
 def test_a_value_refused_on_one_rank_fails_on_every_rank():
-    """hvddp.keras's own checks (Adasum on integers, a 0-d value to reducescatter) refuse a call
-    on rank 0 alone: it raises at once, and the other ranks raise an error naming rank 0 and the
-    reason instead of waiting (a MismatchError; JAX and TensorFlow re-raise their callbacks' as
-    their own errors, with the message). Unnamed calls after them still meet."""
+    """hvddp.keras's own checks (Adasum on integers or with reducescatter, a 0-d value to
+    allgather or reducescatter) refuse a call on rank 0 alone: it raises at once, and the other
+    ranks raise an error naming rank 0 and the reason instead of waiting (a MismatchError; JAX
+    and TensorFlow re-raise their callbacks' as their own errors, with the message). Unnamed
+    calls of each kind after them still meet."""
     bad = RANK == 0
-    calls = [("reducescatter", lambda: hvd.reducescatter(ops.ones(()) if bad else ops.ones((2 * SIZE,))))]
+    calls = [("reducescatter", lambda: hvd.reducescatter(ops.ones(()) if bad else ops.ones((2 * SIZE,)))),
+             ("reducescatter", lambda: hvd.reducescatter(ops.ones((2 * SIZE,)), op=hvd.Adasum if bad else None)),
+             ("allgather", lambda: hvd.allgather(ops.ones(()) if bad else ops.ones((1,))))]
     if SIZE & (SIZE - 1) == 0:  # (else every rank refuses Adasum for the set's size)
         calls.append(("allreduce", lambda: hvd.allreduce(ops.ones((2,), dtype="int32" if bad else "float32"),
                                                          op=hvd.Adasum)))
     for fn, call in calls:
         if bad:
-            with pytest.raises(ValueError, match=fn):
+            with pytest.raises(ValueError, match=rf"^{fn}: "):
                 call()
         else:
-            with pytest.raises(Exception, match=rf"refused on rank\(s\) \[0\] \(ValueError: {fn}"):
+            with pytest.raises(hvd.MismatchError if BACKEND == "torch" else Exception,
+                               match=rf"refused on rank\(s\) \[0\] \(ValueError: {fn}: "):
                 call()
-    got = hvd.allreduce(ops.convert_to_tensor(np.array([float(RANK)], "float32")))
-    np.testing.assert_allclose(ops.convert_to_numpy(got), [(SIZE - 1) / 2])
+    mine = ops.convert_to_tensor(np.full((SIZE,), float(RANK), "float32"))
+    np.testing.assert_allclose(ops.convert_to_numpy(hvd.allreduce(mine)), np.full(SIZE, (SIZE - 1) / 2))
+    np.testing.assert_allclose(ops.convert_to_numpy(hvd.reducescatter(mine)), [(SIZE - 1) / 2])
+    np.testing.assert_allclose(ops.convert_to_numpy(hvd.allgather(mine[:1])), np.arange(SIZE))
 
 
 def test_rank_outside_the_process_set_sums_accumulated_passes():

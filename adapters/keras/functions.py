@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Iterable, Optional
 
 import keras
@@ -17,6 +18,19 @@ from . import _backend
 __all__ = ["allreduce", "allgather", "reducescatter", "broadcast", "broadcast_variables"]
 
 
+def _announcing(core_fn: Any, name: Optional[str], process_set: ProcessSet, value: Any):
+    """This call's own checks of ``value``, a refusal announced (``_grouping.announcing``),
+    except for a value ``jax.jit`` traces: the traced call may never run (a branch not taken),
+    and the collectives traced before it would keep its peers waiting anyway, so there a
+    refusal raises on this rank alone, when it is traced."""
+    if _backend.name() == "jax" and not _backend.is_numpy(value):
+        import jax
+
+        if isinstance(value, jax.core.Tracer):
+            return contextlib.nullcontext()
+    return _grouping.announcing(core_fn, name, process_set)
+
+
 def allreduce(value: Any, name: Optional[str] = None, average: Optional[bool] = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0, op: Any = None,
               compression: Any = Compression.none, process_set: ProcessSet = global_process_set) -> Any:
@@ -30,24 +44,24 @@ def allreduce(value: Any, name: Optional[str] = None, average: Optional[bool] = 
     combines float values on a process set whose size is a power of two (else ``ValueError`` on
     every rank, before anything is sent).
     """
-    op = _grouping.check_op(op, average, "allreduce", adasum=True)
     value = _backend.unwrap(value)
-    if _backend.is_numpy(value):  # (the core checks it, and announces a refusal, as below)
-        c, ctx = compression.compress(np.asarray(value))
-        out = hvddp.allreduce(c, name=name, op=op, prescale_factor=prescale_factor,
-                              postscale_factor=postscale_factor, process_set=process_set)
-        return compression.decompress(out, ctx)
-    if _backend.name() == "tensorflow":  # (checks Adasum's dtype and size itself)
+    if _backend.name() == "tensorflow" and not _backend.is_numpy(value):  # (checks and announces itself)
         from hvddp.tensorflow import allreduce as tf_allreduce
 
-        return tf_allreduce(value, compression=compression, op=op, prescale_factor=prescale_factor,
+        return tf_allreduce(value, average=average, compression=compression, op=op, prescale_factor=prescale_factor,
                             postscale_factor=postscale_factor, name=name, process_set=process_set)
-    if op is hvddp.Adasum:  # refused on this rank alone: announced, so its peers do not wait
-        with _grouping.announcing(hvddp.allreduce, name, process_set, op=op):
+    with _announcing(hvddp.allreduce, name, process_set, value):
+        op = _grouping.check_op(op, average, "allreduce", adasum=True)
+        if op is hvddp.Adasum and not _backend.is_numpy(value):  # (the core checks numpy values)
             _grouping.check_adasum_size(process_set, "allreduce")
             if "float" not in keras.backend.standardize_dtype(value.dtype):
                 raise ValueError(f"allreduce: value has dtype {keras.backend.standardize_dtype(value.dtype)}; "
                                  f"op=Adasum combines floating-point values only. Cast it first.")
+    if _backend.is_numpy(value):
+        c, ctx = compression.compress(np.asarray(value))
+        out = hvddp.allreduce(c, name=name, op=op, prescale_factor=prescale_factor,
+                              postscale_factor=postscale_factor, process_set=process_set)
+        return compression.decompress(out, ctx)
 
     def fn(x):
         c, ctx = compression.compress(x)
@@ -77,6 +91,9 @@ def allgather(value: Any, name: Optional[str] = None, process_set: ProcessSet = 
         return [np.asarray(hvddp.allgather(x, name=name, process_set=process_set), dtype=x.dtype)]
 
     shape = tuple(value.shape)
+    with _announcing(hvddp.allgather, name, process_set, value):
+        if not shape:
+            raise ValueError("allgather: value is 0-d; pass at least a 1-d tensor.")
     out_shape = (shape[0] * process_set.size(),) + shape[1:]
     if backend == "jax":
         import jax
@@ -94,23 +111,23 @@ def reducescatter(value: Any, name: Optional[str] = None, op: Any = None,
     Numpy in, numpy out (a ``tf.Tensor`` on the TensorFlow backend, as for ``allreduce``); a
     backend tensor in, a backend tensor out.
     """
-    op = _grouping.check_op(op, None, "reducescatter")
     value = _backend.unwrap(value)
-    if _backend.is_numpy(value):
-        return hvddp.reducescatter(np.asarray(value), name=name, op=op, process_set=process_set)
     backend = _backend.name()
-    if backend == "tensorflow":
+    if backend == "tensorflow" and not _backend.is_numpy(value):  # (checks and announces itself)
         from hvddp.tensorflow import reducescatter as tf_reducescatter
 
         return tf_reducescatter(value, name=name, op=op, process_set=process_set)
+    with _announcing(hvddp.reducescatter, name, process_set, value):
+        op = _grouping.check_op(op, None, "reducescatter")
+        if not _backend.is_numpy(value) and not tuple(value.shape):  # (the core checks numpy values)
+            raise ValueError("reducescatter: value is 0-d; pass at least a 1-d tensor.")
+    if _backend.is_numpy(value):
+        return hvddp.reducescatter(np.asarray(value), name=name, op=op, process_set=process_set)
 
     def fn(x):
         return [np.asarray(hvddp.reducescatter(x, name=name, op=op, process_set=process_set), dtype=x.dtype)]
 
     shape = tuple(value.shape)
-    with _grouping.announcing(hvddp.reducescatter, name, process_set, op=op):
-        if not shape:
-            raise ValueError("reducescatter: value is 0-d; pass at least a 1-d tensor.")
     size, rank = process_set.size(), process_set.rank()
     out_shape = (_grouping.rows_here(shape[0], size, rank),) + shape[1:]
     if backend == "jax":

@@ -16,6 +16,7 @@ function's name plus a counter within its graph), so it is the same on every run
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import numbers
 import weakref
@@ -67,6 +68,21 @@ def _name(name: Optional[str], kind: str, process_set: ProcessSet) -> str:
     if not isinstance(name, str) or not name:
         raise TypeError(f"{kind}: name must be a non-empty str or None; Received: name={name!r}.")
     return name
+
+
+def _announcing(core_fn: Any, name: str, process_set: ProcessSet, members: int = 0, **kwargs: Any):
+    """This call's own checks, a refusal announced when running eagerly (see
+    ``_grouping.announcing``). Not while a ``tf.function`` is traced: the traced call may never
+    run (a branch not taken, a trace without a run), and collectives traced before it would keep
+    its peers waiting anyway, so there a refusal raises on this rank alone, when it is traced."""
+    if tf.executing_eagerly():
+        return _grouping.announcing(core_fn, name, process_set, members, **kwargs)
+    return contextlib.nullcontext()
+
+
+def _members(tensors: Any) -> int:
+    """How many members a grouped call's refusal announces (one for a "list" that is none)."""
+    return len(tensors) if isinstance(tensors, (list, tuple)) and tensors else 1
 
 
 def _check_xla(fn: str) -> None:
@@ -152,13 +168,13 @@ def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "
     Example:
         mean = hvddp.tensorflow.allreduce(tf.constant([1.0 * hvd.rank()]), name="mean_rank")
     """
-    op = _grouping.check_op(op, average, "allreduce", adasum=True)
-    _grouping.check_compression(compression, "allreduce")
-    pre = float(prescale_factor)
-    post = float(postscale_factor)
-    tensor = _dense(tensor, "allreduce")
     name = _name(name, "allreduce", process_set)
-    with _grouping.announcing(hvddp.allreduce, name, process_set, op=op):
+    with _announcing(hvddp.allreduce, name, process_set):
+        op = _grouping.check_op(op, average, "allreduce", adasum=True)
+        _grouping.check_compression(compression, "allreduce")
+        pre = float(prescale_factor)
+        post = float(postscale_factor)
+        tensor = _dense(tensor, "allreduce")
         _check_adasum(op, [tensor], process_set, "allreduce")
     _check_xla("allreduce")
     if op not in (hvddp.Average, hvddp.Sum):
@@ -195,14 +211,16 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, de
     Members are named ``<name>.<i>``. Same contract as ``allreduce`` for each member (Adasum:
     coefficients per member).
     """
-    op = _grouping.check_op(op, average, "grouped_allreduce", adasum=True)
-    _grouping.check_compression(compression, "grouped_allreduce")
-    tensors = [_dense(t, "grouped_allreduce") for t in tensors]
-    if not tensors:
+    if isinstance(tensors, (list, tuple)) and not tensors:
         return []
     name = _name(name, "grouped_allreduce", process_set)
-    with _grouping.announcing(hvddp.grouped_allreduce, name, process_set, len(tensors), op=op):
+    with _announcing(hvddp.grouped_allreduce, name, process_set, _members(tensors)):
+        op = _grouping.check_op(op, average, "grouped_allreduce", adasum=True)
+        _grouping.check_compression(compression, "grouped_allreduce")
+        tensors = [_dense(t, "grouped_allreduce") for t in tensors]
         _check_adasum(op, tensors, process_set, "grouped_allreduce")
+    if not tensors:  # (an empty iterable)
+        return []
     _check_xla("grouped_allreduce")
     pre, post = float(prescale_factor), float(postscale_factor)
     labels = [f"{name}.{i}" for i in range(len(tensors))]
@@ -300,9 +318,9 @@ def allgather(tensor: Any, name: Optional[str] = None, ignore_name_scope: bool =
     The first dimension may differ across ranks; dtype and the other dimensions must match.
     The gradient averages the incoming gradient across ranks (Horovod's) and returns this rank's rows.
     """
-    tensor = _dense(tensor, "allgather")
     name = _name(name, "allgather", process_set)
-    with _grouping.announcing(hvddp.allgather, name, process_set):
+    with _announcing(hvddp.allgather, name, process_set):
+        tensor = _dense(tensor, "allgather")
         if tensor.shape.rank == 0:
             raise ValueError("allgather: tensor is 0-d; pass at least a 1-d tensor (e.g. tf.reshape(t, [1])).")
     _check_xla("allgather")
@@ -342,9 +360,10 @@ def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None, ignore_na
 
     The gradient is the average of the incoming gradients on ``root_rank`` (Horovod's) and zero elsewhere.
     """
-    _check_root(root_rank, process_set, "broadcast")
-    tensor = _dense(tensor, "broadcast")
     name = _name(name, "broadcast", process_set)
+    with _announcing(hvddp.broadcast, name, process_set, root_rank=root_rank):
+        _check_root(root_rank, process_set, "broadcast")
+        tensor = _dense(tensor, "broadcast")
     _check_xla("broadcast")
 
     def body(x):
@@ -387,8 +406,9 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None, ignore
     (int32), as in Horovod 0.28. The gradient sends the
     received rows' gradients back where they came from (the reverse alltoall).
     """
-    tensor = _dense(tensor, "alltoall")
     name = _name(name, "alltoall", process_set)
+    with _announcing(hvddp.alltoall, name, process_set):
+        tensor = _dense(tensor, "alltoall")
     _check_xla("alltoall")
     size = _size(process_set)
     if splits is None:
@@ -434,11 +454,11 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
     get one more). ``op`` defaults to Average; ``compression`` (e.g. ``Compression.fp16``) casts
     around the reduction. The gradient (Average and Sum) is the allgather of the rows'
     gradients, times the size for Sum and the scale factors (Horovod's factors)."""
-    op = _grouping.check_op(op, None, "reducescatter")
-    _grouping.check_compression(compression, "reducescatter")
-    tensor = _dense(tensor, "reducescatter")
     name = _name(name, "reducescatter", process_set)
-    with _grouping.announcing(hvddp.reducescatter, name, process_set, op=op):
+    with _announcing(hvddp.reducescatter, name, process_set):
+        op = _grouping.check_op(op, None, "reducescatter")
+        _grouping.check_compression(compression, "reducescatter")
+        tensor = _dense(tensor, "reducescatter")
         if tensor.shape.rank == 0:
             raise ValueError("reducescatter: tensor is 0-d; pass at least a 1-d tensor.")
     _check_xla("reducescatter")
@@ -491,12 +511,14 @@ def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None, ignore
 
     Members are named ``<name>.<i>``; each has ``allgather``'s contract and gradient.
     """
-    tensors = [_dense(t, "grouped_allgather") for t in tensors]
-    if not tensors:
+    if isinstance(tensors, (list, tuple)) and not tensors:
         return []
     name = _name(name, "grouped_allgather", process_set)
-    with _grouping.announcing(hvddp.grouped_allgather, name, process_set, len(tensors)):
+    with _announcing(hvddp.grouped_allgather, name, process_set, _members(tensors)):
+        tensors = [_dense(t, "grouped_allgather") for t in tensors]
         _check_group_inputs(tensors, "grouped_allgather")
+    if not tensors:  # (an empty iterable)
+        return []
     _check_xla("grouped_allgather")
 
     def body(*xs):
@@ -537,14 +559,16 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compre
 
     Members are named ``<name>.<i>``; each has ``reducescatter``'s contract and gradient.
     """
-    op = _grouping.check_op(op, None, "grouped_reducescatter")
-    _grouping.check_compression(compression, "grouped_reducescatter")
-    tensors = [_dense(t, "grouped_reducescatter") for t in tensors]
-    if not tensors:
+    if isinstance(tensors, (list, tuple)) and not tensors:
         return []
     name = _name(name, "grouped_reducescatter", process_set)
-    with _grouping.announcing(hvddp.grouped_reducescatter, name, process_set, len(tensors), op=op):
+    with _announcing(hvddp.grouped_reducescatter, name, process_set, _members(tensors)):
+        op = _grouping.check_op(op, None, "grouped_reducescatter")
+        _grouping.check_compression(compression, "grouped_reducescatter")
+        tensors = [_dense(t, "grouped_reducescatter") for t in tensors]
         _check_group_inputs(tensors, "grouped_reducescatter")
+    if not tensors:  # (an empty iterable)
+        return []
     _check_xla("grouped_reducescatter")
     pre, post = float(prescale_factor), float(postscale_factor)
 
