@@ -149,6 +149,13 @@ def test_backward_passes_per_step(monkeypatch):
     assert_replicas_identical(model.get_weights(), "passes")
 
 
+def model_with_passes():
+    model = make_model(unused=False)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2),
+                  loss="sparse_categorical_crossentropy")
+    return model
+
+
 def test_passes_survive_a_broadcast_a_checkpoint_and_an_elastic_sync_between_updates():
     """Between the passes of an update each rank's accumulators hold its own passes' sum, so what
     copies rank 0's state to every rank (the broadcast callback, a checkpoint, an elastic sync)
@@ -159,13 +166,7 @@ def test_passes_survive_a_broadcast_a_checkpoint_and_an_elastic_sync_between_upd
 
     x, y = global_data()
     fit = dict(batch_size=GLOBAL_BATCH // SIZE, shuffle=False, verbose=0)
-
-    def compiled():
-        model = make_model(unused=False)
-        model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2),
-                      loss="sparse_categorical_crossentropy")
-        return model
-
+    compiled = model_with_passes
     want = compiled()
     want.fit(shard(x), shard(y), epochs=2, **fit)
     directory = hvd.broadcast_object(tempfile.mkdtemp() if RANK == 0 else None, 0, name="test.dir.passes")
@@ -188,6 +189,26 @@ def test_passes_survive_a_broadcast_a_checkpoint_and_an_elastic_sync_between_upd
         for got, expected in zip(model.get_weights(), want.get_weights()):
             np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6, err_msg=how)
         assert_replicas_identical(model.get_weights(), f"passes.{how}")
+
+
+def test_a_state_restored_on_rank_0_alone_gives_every_rank_its_accumulators():
+    """Rank 0 reloads a model saved between the passes of an update (its optimizer a step ahead
+    of the others' fresh ones): the broadcast callback copies its accumulators as they are,
+    rather than averaging them with the others' zeros."""
+    x, y = global_data()
+    model = model_with_passes()
+    model.fit(shard(x), shard(y), batch_size=GLOBAL_BATCH // SIZE, epochs=1, shuffle=False, verbose=0)
+    path = saved_by_rank_0(model, "passes.keras")
+    restored = hvd.load_model(path) if RANK == 0 else model_with_passes()
+    restored.optimizer.build(restored.trainable_variables)
+    saved = hvd.broadcast_object([ops.convert_to_numpy(a) for a in restored.optimizer._accumulated_gradients]
+                                 if RANK == 0 else None, 0, name="test.passes.saved")
+    assert any(a.any() for a in saved)  # (between passes: rank 0's partial sums)
+    callback = hvd.callbacks.BroadcastGlobalVariablesCallback(0)
+    callback.set_model(restored)
+    callback.on_train_begin()
+    for got, want in zip(restored.optimizer._accumulated_gradients, saved):
+        np.testing.assert_array_equal(ops.convert_to_numpy(got), want)
 
 
 def test_passes_with_a_gradient_only_some_ranks_have_fail_on_every_rank(monkeypatch):

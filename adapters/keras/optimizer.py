@@ -244,8 +244,11 @@ def average_accumulators(optimizer: Any, process_set: ProcessSet, name: str) -> 
     broadcast, a checkpoint rank 0 writes), the next update would use rank 0's partial sum
     instead of the ranks' average; the average gives the update leaving them would (the update is
     linear in them; with Adasum, close to it). Local variables' accumulators stay the rank's own.
-    Collective over ``process_set``'s members when it is the optimizer's set (same on every rank);
-    otherwise, and outside the set, nothing happens.
+    Only when every rank's optimizer is at the same iteration: where they differ (a state restored
+    on some ranks only, say rank 0's from ``hvd.load_model``, or workers an elastic job just
+    added), the others' accumulators are no partial sums of the same update, and the root's are
+    copied as they are. Collective over ``process_set``'s members when it is the optimizer's set
+    (same on every rank); otherwise, and outside the set, nothing happens.
     """
     if not isinstance(optimizer, _DistributedOptimizerMixin) or not optimizer.built:
         return
@@ -256,6 +259,11 @@ def average_accumulators(optimizer: Any, process_set: ProcessSet, name: str) -> 
     variables = list(optimizer._trainable_variables)
     if not optimizer._hvddp_deferred(variables):
         return
+    step = int(np.asarray(_backend.to_numpy(optimizer.iterations)))
+    low, negated_high = hvddp.allreduce(np.array([step, -step], dtype=np.int64), op=hvddp.Min,
+                                        name=f"{name}.iterations", process_set=ps)
+    if low != -negated_high or step % optimizer.gradient_accumulation_steps == 0:
+        return  # not in step (see above), or at an update's end, where every accumulator is zero
     shared = [v for v in variables if id(v) not in settings["local"]]
     accumulators = [optimizer._accumulated_gradients[optimizer._get_variable_index(v)] for v in shared]
     if not accumulators:
