@@ -18,22 +18,16 @@ from hvddp.exceptions import REFUSED
 
 
 @contextlib.contextmanager
-def announcing(core_fn: Callable, name: Optional[str], process_set: Any, members: int = 0,
+def announcing(core_fn: Callable, name: Optional[str], process_set: Any, group: Any = None,
                **kwargs: Any) -> Iterator[None]:
     """Run an adapter's own checks of a call; a ``ValueError`` or ``TypeError`` they raise is
-    announced under the call's ``name`` through ``core_fn`` (the core collective the call would
-    have made, given ``hvddp.ops.Refusal`` in place of its tensor, or ``members`` of them for a
-    group), then raised here. The ranks that made the call validly then raise ``MismatchError``
-    naming this rank, instead of waiting for it. ``name`` None: the core's automatic name, the
-    one the valid ranks' core call takes."""
+    announced under the call's ``name`` through ``core_fn`` (``hvddp.ops.announce_refusal``;
+    ``group``: a grouped call's tensors as given), then raised here. ``name`` None: the core's
+    automatic name, the one the valid ranks' core call takes."""
     try:
         yield
     except (ValueError, TypeError) as exc:
-        refusal = hvddp.ops.Refusal(exc)
-        try:
-            core_fn([refusal] * members if members else refusal, name=name, process_set=process_set, **kwargs)
-        except Exception:  # the refusal, raised by the core once announced (or a bad argument)
-            pass
+        hvddp.ops.announce_refusal(core_fn, exc, group, name=name, process_set=process_set, **kwargs)
         raise
 
 def rows_here(rows: int, size: int, rank: int) -> int:

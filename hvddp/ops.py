@@ -85,6 +85,25 @@ class Refusal:
         self.error = error
 
 
+def announce_refusal(core_fn: Callable, error: BaseException, group: Any = None, **kwargs: Any) -> None:
+    """For adapters: announce ``error``, raised by the adapter's own checks of a call, through
+    ``core_fn`` (the core collective the call would have made, with the call's ``name``,
+    ``process_set``, ... in ``kwargs``), so the ranks that made the call validly fail with
+    ``MismatchError`` instead of waiting. ``group``: a grouped call's tensors as given (one
+    ``Refusal`` per entry; one for a "list" that is none, so its group fails); None otherwise.
+    What the core raises (the refusal itself, or an error in the other arguments) is dropped: the
+    caller raises ``error``."""
+    refusal = Refusal(error)
+    if group is None:
+        tensors: Any = refusal
+    else:
+        tensors = [refusal] * len(group) if isinstance(group, (list, tuple)) and group else [refusal]
+    try:
+        core_fn(tensors, **kwargs)
+    except Exception:
+        pass
+
+
 def _array(tensor: Any, fn: str, arg: str = "tensor") -> np.ndarray:
     if type(tensor) is np.ndarray:
         array = tensor

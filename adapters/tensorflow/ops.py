@@ -70,19 +70,14 @@ def _name(name: Optional[str], kind: str, process_set: ProcessSet) -> str:
     return name
 
 
-def _announcing(core_fn: Any, name: str, process_set: ProcessSet, members: int = 0, **kwargs: Any):
+def _announcing(core_fn: Any, name: str, process_set: ProcessSet, group: Any = None, **kwargs: Any):
     """This call's own checks, a refusal announced when running eagerly (see
     ``_grouping.announcing``). Not while a ``tf.function`` is traced: the traced call may never
     run (a branch not taken, a trace without a run), and collectives traced before it would keep
     its peers waiting anyway, so there a refusal raises on this rank alone, when it is traced."""
     if tf.executing_eagerly():
-        return _grouping.announcing(core_fn, name, process_set, members, **kwargs)
+        return _grouping.announcing(core_fn, name, process_set, group, **kwargs)
     return contextlib.nullcontext()
-
-
-def _members(tensors: Any) -> int:
-    """How many members a grouped call's refusal announces (one for a "list" that is none)."""
-    return len(tensors) if isinstance(tensors, (list, tuple)) and tensors else 1
 
 
 def _check_xla(fn: str) -> None:
@@ -214,7 +209,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, de
     if isinstance(tensors, (list, tuple)) and not tensors:
         return []
     name = _name(name, "grouped_allreduce", process_set)
-    with _announcing(hvddp.grouped_allreduce, name, process_set, _members(tensors)):
+    with _announcing(hvddp.grouped_allreduce, name, process_set, tensors):
         op = _grouping.check_op(op, average, "grouped_allreduce", adasum=True)
         _grouping.check_compression(compression, "grouped_allreduce")
         tensors = [_dense(t, "grouped_allreduce") for t in tensors]
@@ -514,7 +509,7 @@ def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None, ignore
     if isinstance(tensors, (list, tuple)) and not tensors:
         return []
     name = _name(name, "grouped_allgather", process_set)
-    with _announcing(hvddp.grouped_allgather, name, process_set, _members(tensors)):
+    with _announcing(hvddp.grouped_allgather, name, process_set, tensors):
         tensors = [_dense(t, "grouped_allgather") for t in tensors]
         _check_group_inputs(tensors, "grouped_allgather")
     if not tensors:  # (an empty iterable)
@@ -562,7 +557,7 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compre
     if isinstance(tensors, (list, tuple)) and not tensors:
         return []
     name = _name(name, "grouped_reducescatter", process_set)
-    with _announcing(hvddp.grouped_reducescatter, name, process_set, _members(tensors)):
+    with _announcing(hvddp.grouped_reducescatter, name, process_set, tensors):
         op = _grouping.check_op(op, None, "grouped_reducescatter")
         _grouping.check_compression(compression, "grouped_reducescatter")
         tensors = [_dense(t, "grouped_reducescatter") for t in tensors]

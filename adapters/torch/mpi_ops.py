@@ -30,7 +30,7 @@ import torch
 import hvddp
 from hvddp import Average, ProcessSet, ReduceOp, Sum, global_process_set
 
-from hvddp.ops import Refusal
+from hvddp.ops import Refusal, announce_refusal
 
 from ._convert import Handle, TensorArgumentError, as_tensor, check_tensor, source, target
 from .compression import Compression, Compressor
@@ -81,16 +81,8 @@ def _announce(core_fn, core_params, sig, first: str, exc: BaseException, args, k
         bound = sig.bind(*args, **kwargs)
     except TypeError:
         return
-    given = bound.arguments.get(first)
-    refusal = Refusal(exc)
-    if first == "tensors":  # (one member for a "list" that is none: its group fails)
-        tensors = [refusal] * len(given) if isinstance(given, (list, tuple)) and given else [refusal]
-    else:
-        tensors = refusal
-    try:
-        core_fn(tensors, **{k: v for k, v in bound.arguments.items() if k in core_params and k != first})
-    except Exception:  # the refusal itself, announced (or an error in the other arguments)
-        pass
+    announce_refusal(core_fn, exc, bound.arguments.get(first) if first == "tensors" else None,
+                     **{k: v for k, v in bound.arguments.items() if k in core_params and k != first})
 
 
 def _tensors(tensors: Any, fn: str) -> List[torch.Tensor]:
