@@ -1,4 +1,5 @@
-"""Rank-side tests of hvddp.keras, run on every rank at once by tests/test_keras.py.
+"""Rank-side tests of hvddp.keras, run on every rank at once by tests/test_keras.py (at 3 ranks,
+only those marked np3).
 
 The backend comes from KERAS_BACKEND. Inputs depend on the rank, so every rank can assert the
 exact result; each test ends with a cross-rank check that the replicas are identical.
@@ -82,7 +83,7 @@ def assert_replicas_identical(weights, name):
         np.testing.assert_array_equal(every[r], every[0], err_msg=f"rank {r} differs from rank 0")
 
 
-@pytest.mark.parametrize("opt", ["adam", "sgd"])
+@pytest.mark.parametrize("opt", ["adam", pytest.param("sgd", marks=pytest.mark.np3)])
 def test_fit_parity(opt):
     """K steps of fit on shards == one process fitting the whole batches; replicas identical."""
     make_opt = {"adam": lambda: keras.optimizers.Adam(0.01),
@@ -268,6 +269,7 @@ def test_broadcast_callback_equalises_replicas():
     assert_replicas_identical(model.get_weights(), "bcast")
 
 
+@pytest.mark.np3
 def test_metric_average_callback():
     local = {}
 
@@ -815,6 +817,7 @@ def test_local_gradient_overflow_on_one_rank_skips_the_step_everywhere():
         keras.mixed_precision.set_global_policy("float32")
 
 
+@pytest.mark.np3
 def test_outside_the_set_local_gradients_are_divided_too():
     """Horovod divides the local gradients by the set's size on every rank, members or not."""
     if SIZE < 3:
@@ -861,6 +864,7 @@ def rank_input(rank, shape, seed):
     return (common + np.random.default_rng(seed + 1 + rank).normal(size=shape)).astype("float32")
 
 
+@pytest.mark.np3
 def test_adasum_allreduce_helper():
     """hvd.allreduce(op=Adasum) on numpy values and backend tensors is the Adasum tree; other
     collectives refuse Adasum; at np=3 every rank refuses it (no power of two), nothing hangs."""
@@ -907,6 +911,7 @@ def test_adasum_allreduce_helper():
     assert_replicas_identical([ops.convert_to_numpy(s)], "adasum.loss_scale")
 
 
+@pytest.mark.np3
 @pytest.mark.parametrize("local", [False, True], ids=["shared", "local_layer"])
 def test_adasum_fit_step_is_the_adasum_of_the_gradients(local):
     """model.fit with DistributedOptimizer(SGD, op=Adasum): one step moves every weight by the

@@ -1,10 +1,17 @@
-"""Rank-side tests of hvddp.tensorflow, run on every rank at once by tests/test_tensorflow.py."""
+"""Rank-side tests of hvddp.tensorflow, run on every rank at once by tests/test_keras.py, at 2 and 3
+ranks (there without the tf.function forms), in the launches that also run the Keras rank-side
+tests on the TensorFlow backend."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import hvddp.tensorflow as hvd
+
+pytestmark = pytest.mark.np3  # at 3 ranks too, but for the tf.function forms:
+# those trace what the eager forms run, with the same dependence on the number of ranks; marked
+# "traced", they run at 2 ranks only, which makes the 3-rank launch (3 ranks on 2 cores) far shorter
+MODES = ["eager", pytest.param("function", marks=pytest.mark.traced)]
 
 hvd.init()
 RANK, SIZE = hvd.rank(), hvd.size()
@@ -19,7 +26,7 @@ def assert_replicas_identical(arrays, name):
         np.testing.assert_array_equal(every[r], every[0], err_msg=f"rank {r} differs from rank 0")
 
 
-@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("mode", MODES)
 def test_ops(mode):
     wrap = (lambda f: f) if mode == "eager" else tf.function
     x = tf.constant(np.arange(6, dtype=np.float32).reshape(3, 2) + 100 * RANK)
@@ -68,7 +75,7 @@ def test_alltoall_with_splits():
         [np.full(d + 1, (RANK + 1.0) * (RANK + 1)) for d in range(SIZE)] + [np.zeros(2)]))
 
 
-@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("mode", MODES)
 def test_gradients(mode):
     wrap = (lambda f: f) if mode == "eager" else tf.function
     x = tf.constant([1.0, 2.0]) * (RANK + 1)
@@ -91,7 +98,7 @@ def test_gradients(mode):
     np.testing.assert_allclose(d_bcast, [weights.mean() if RANK == 0 else 0.0] * 2)
 
 
-@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("mode", MODES)
 def test_join_is_an_op(mode):
     """Uneven data over two epochs: join() returns an int32 tensor, and inside a tf.function it
     joins every time the function runs (not once, when it is traced)."""
@@ -178,7 +185,7 @@ def _loss(variables, x, y):
     return tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
 
 
-@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("mode", MODES)
 def test_custom_loop_parity(mode):
     """K steps on shards with DistributedGradientTape == one process on the whole batches."""
     rng = np.random.default_rng(1)
@@ -237,7 +244,7 @@ def test_tape_mismatch_names_the_variable():
         tape.gradient(loss, [v])
 
 
-@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("mode", MODES)
 def test_tape_wrapped_inside_its_with_block(mode):
     """As some Horovod scripts do: the tape wrapped while it records (the process crashed)."""
     wrap = (lambda f: f) if mode == "eager" else tf.function
@@ -280,7 +287,7 @@ def test_broadcast_variables_of_models_that_differ_raises_on_every_rank():
         hvd.broadcast_variables(variables, root_rank=0)
 
 
-@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("mode", MODES)
 def test_reducescatter_and_alltoall_gradients(mode):
     """reducescatter's gradient is the allgather of the rows' gradients, with Horovod's factors
     (times the size for Sum, the scale factors); alltoall's sends each received row's gradient
@@ -399,7 +406,7 @@ def test_ranks_outside_the_process_set_keep_their_own_gradients():
     hvd.remove_process_set(members)
 
 
-@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("mode", MODES)
 def test_grouped_allgather_and_reducescatter_with_gradients(mode):
     """Each member as its single op: values, and gradients (allgather: the sum over ranks of this
     rank's rows averaged over ranks; reducescatter: the allgather of the rows' gradients, as it is
@@ -460,7 +467,7 @@ def test_runtime_numbers_as_ops():
     hvd.remove_process_set(subset)
 
 
-@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("mode", MODES)
 def test_sync_batch_normalization_is_batch_norm_on_the_whole_batch(mode):
     """Uneven shards: outputs, input gradients (of the sum of every rank's loss) and moving
     statistics equal keras BatchNormalization on all rows in one process."""
@@ -545,7 +552,7 @@ def test_unnamed_ops_in_a_nested_function_match_whoever_traced_it_first():
         np.testing.assert_allclose(global_sum(tf.ones([rows, 2])).numpy(), [1.0 * rows * SIZE] * 2)
 
 
-@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("mode", MODES)
 def test_gradient_through_the_tapes_reduction(mode):
     """A gradient penalty: the outer tape differentiates the averaged gradient, through the
     reduction's own gradient (Horovod's tape ops have one); it was silently None."""
@@ -603,7 +610,7 @@ def test_horovod_positional_order_and_reducescatter_compression():
     np.testing.assert_array_equal(bcast.numpy(), [0.0])
 
 
-@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("mode", MODES)
 def test_partial_tape_keeps_the_local_layers_gradients(mode):
     """Horovod's PartialDistributedGradientTape: the local layer's gradients stay this rank's own
     (divided by the size unless scale_local_gradients=False); the others are averaged."""
@@ -654,7 +661,7 @@ def test_partial_tape_keeps_the_local_layers_gradients(mode):
         hvd.PartialDistributedGradientTape(tf.GradientTape(), local_layers=["local"])
 
 
-@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("mode", MODES)
 def test_inplace_broadcast_of_variables(mode):
     """Horovod's hvd.broadcast_(variables, root_rank): assigned in place, new values returned."""
     v = tf.Variable(np.full(3, float(RANK), "float32"))
@@ -712,7 +719,7 @@ def rank_input(rank, shape, seed):
     return (common + np.random.default_rng(seed + 1 + rank).normal(size=shape)).astype(np.float32)
 
 
-@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("mode", MODES)
 def test_adasum_ops_against_a_float64_tree(mode):
     """allreduce/grouped_allreduce(op=Adasum), eagerly and in a tf.function: each tensor is the
     Adasum tree of the ranks' tensors (per tensor, not over the group), bit-identical on every
@@ -760,7 +767,7 @@ def ps_allgather(array, ps, name):
                          process_set=ps).numpy()
 
 
-@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("mode", MODES)
 def test_adasum_tape_and_optimizer(mode):
     """DistributedGradientTape(op=Adasum): each gradient is the Adasum tree of the ranks' own
     gradients; a registered local source keeps its own (divided by the size); the Keras

@@ -75,6 +75,16 @@ HOROVOD_NAMES = {
 # modules checked in one process each; the three that load TensorFlow share one (as three
 # processes they took 10.7-16.1 s each under `pytest --durations`, as one 12.7 s)
 EXPORT_GROUPS = [["hvddp"], ["hvddp.torch"], ["hvddp.keras", "hvddp.tensorflow", "hvddp.tensorflow.keras"]]
+# run first in the Keras group's process (KERAS_BACKEND=torch), which then needs no Keras start-up
+# of its own: hvddp.keras imports only the active backend's framework (here torch, never TensorFlow)
+BEFORE = {"hvddp.keras": (
+    "import sys, keras\nbefore = {m for m in ('tensorflow', 'jax', 'torch') if m in sys.modules}\n"
+    "import hvddp.keras\n"
+    "after = {m for m in ('tensorflow', 'jax', 'torch') if m in sys.modules}\n"
+    "assert after == before and 'tensorflow' not in after, (before, after)\n"
+    "import hvddp.keras._backend, hvddp.keras.callbacks\n"
+    "assert 'hvddp.tensorflow' not in sys.modules\n"
+    "print('hvddp.keras imports no other framework')\n")}
 
 
 @pytest.mark.parametrize("modules", EXPORT_GROUPS, ids=lambda g: g[0])
@@ -83,7 +93,7 @@ def test_every_exported_name_resolves_and_horovods_names_are_there(modules):
     framework = {"hvddp.torch": "torch", "hvddp.keras": "tensorflow"}.get(modules[0])
     if framework and importlib.util.find_spec(framework) is None:
         pytest.skip(f"{framework} is not installed")
-    code = "import importlib\nimport hvddp.exceptions as e\n"
+    code = BEFORE.get(modules[0], "") + "import importlib\nimport hvddp.exceptions as e\n"
     for module in modules:
         code += (f"m = importlib.import_module({module!r})\n"
                  f"missing = [n for n in m.__all__ + {HOROVOD_NAMES[module].split()!r} if not hasattr(m, n)]\n"
@@ -95,6 +105,8 @@ def test_every_exported_name_resolves_and_horovods_names_are_there(modules):
     assert result.returncode == 0, result.stderr[-3000:]
     for module in modules:
         assert f"{module} names ok" in result.stdout, result.stdout
+    if modules[0] in BEFORE:
+        assert "imports no other framework" in result.stdout, result.stdout
 
 
 def test_integer_scaling_divides_exactly_toward_zero():

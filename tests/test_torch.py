@@ -30,13 +30,12 @@ def _python(args, timeout=180):
 
 
 @pytest.mark.parametrize("np_", [2, 3])
-def test_collectives_dtypes_autograd_errors(np_):
-    run_pytest(np_, "tests/mpi_torch_ops.py")
-
-
-@pytest.mark.parametrize("np_", [2, 3])
-def test_distributed_optimizer_parity_and_behaviour(np_):
-    run_pytest(np_, "tests/mpi_torch_optimizer.py")
+def test_collectives_optimizer_and_elastic(np_):
+    """Collectives, dtypes, autograd and errors (mpi_torch_ops.py); DistributedOptimizer parity and
+    behaviour (mpi_torch_optimizer.py); at 3 ranks, where the sampler pads the shares, the elastic
+    API at a fixed size (mpi_torch_elastic.py). One launch per size: each rank starts torch once."""
+    files = ["tests/mpi_torch_optimizer.py"] + (["tests/mpi_torch_elastic.py"] if np_ == 3 else [])
+    run_pytest(np_, "tests/mpi_torch_ops.py", timeout=360, extra=files)
 
 
 def test_distributed_optimizer_with_every_gradient_deferred_to_step():
@@ -67,11 +66,6 @@ def test_horovod_style_script_runs_with_only_the_import_changed(flags):
     accuracies = _accuracies(result.stdout)
     assert len(accuracies) == 8, result.stdout  # rank 0 alone prints, once per epoch
     assert accuracies[-1] >= 90.0, result.stdout
-
-
-def test_elastic_api_at_a_fixed_size():
-    """hvddp.torch.elastic: sampler shares, state sync/commit/restore, run; 3 ranks pad the shares."""
-    run_pytest(3, "tests/mpi_torch_elastic.py")
 
 
 def test_horovod_style_elastic_script_runs_with_only_the_import_changed():
