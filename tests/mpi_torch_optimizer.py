@@ -396,6 +396,31 @@ def test_synchronize_clip_skip_synchronize_and_no_double_reduction():
     assert_parity(model, ref)
 
 
+def test_step_inside_skip_synchronize_without_synchronize_is_refused():
+    """Horovod's step() there updates from gradients still being averaged in place (the replicas
+    part silently); hvddp finishes the averaging, applies nothing and raises, on every rank, and
+    the next step() applies the averaged gradients once, as one process would."""
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x, y = batch(0)
+    before = flat(model).clone()
+    shard_loss(model, x, y, R).backward()
+    if N > 1:
+        with pytest.raises(hvd.HvddpError, match="skip_synchronize.*synchronize\\(\\) after"):
+            with opt.skip_synchronize():
+                opt.step()
+        assert torch.equal(flat(model), before)
+    (sum(shard_loss(ref, x, y, s) for s in range(N)) / N).backward()
+    ref_opt.step()
+    opt.step()
+    assert_parity(model, ref)
+    assert_replicas_identical(model, "skip.unsynchronized")
+
+
 def test_step_with_closure_averages_its_gradients():
     torch.manual_seed(0)
     ref = Net()
@@ -672,7 +697,7 @@ def test_adasum_combines_each_ranks_update_as_horovod_does(passes):
         for micro in range(passes):
             x, y = batch(step, micro)
             shard_loss(model, x, y, R).backward()
-            if micro < passes - 1:  # passes being accumulated must not be dropped
+            if micro < passes - 1 and N > 1:  # passes being accumulated must not be dropped
                 with pytest.raises(hvd.HvddpError, match="fewer than backward_passes_per_step=2"):
                     opt.zero_grad()
         opt.step()

@@ -363,7 +363,7 @@ class _DistributedOptimizer(WrapperCommon):
                 or already being reduced under the old count (on every rank alike).
         """
         check_passes(passes)
-        if self._hvddp_touched or self._hvddp_submitted or self._hvddp_flights:
+        if self._hvddp_pending():
             raise HvddpError(f"set_backward_passes_per_step({passes}): a backward pass ran since the last "
                              f"step(), so gradients are accumulating or being reduced under "
                              f"backward_passes_per_step={self._hvddp_bpps}. Call it right after step() (or "
@@ -467,8 +467,23 @@ class _DistributedOptimizer(WrapperCommon):
         Called by ``scaler.step(optimizer)`` (a ``torch.amp.GradScaler``), it averages the
         gradients, unscales them unless ``scaler.unscale_(optimizer)`` already did, and skips the
         update if they hold inf or NaN: on every rank alike, since they are the average.
+
+        Raises:
+            hvddp.HvddpError: called inside ``skip_synchronize()`` with this step's gradients
+                still being averaged (no ``synchronize()`` since ``backward()``); the averaging is
+                finished first and no update is applied.
         """
         self._hvddp_follow_wrapped()
+        if self._hvddp_active and not self._hvddp_should_synchronize and self._hvddp_pending():
+            # the update would read local or half-averaged gradients (the replicas would part
+            # silently); finish the reductions, so every rank's names are free, and refuse
+            self._hvddp_synchronize()
+            raise HvddpError(
+                "step() ran inside `with optimizer.skip_synchronize():` while this step's gradients "
+                "were still being averaged (no optimizer.synchronize() since backward()), so it "
+                "would have updated from this rank's own or half-averaged gradients. The update was "
+                "not applied; the gradients are averaged now. Call optimizer.synchronize() after "
+                "backward() and before the skip_synchronize() block (then clip, then step()).")
         if grad_scaler is not None:
             return self._hvddp_scaled_step(closure, grad_scaler)
         if self._hvddp_active and self._hvddp_should_synchronize:
@@ -485,6 +500,10 @@ class _DistributedOptimizer(WrapperCommon):
         loss = super().step(closure)
         self._hvddp_mark_stepped()
         return loss
+
+    def _hvddp_pending(self) -> bool:
+        """Gradients of this step are accumulated, submitted or in flight, not yet synchronized."""
+        return bool(self._hvddp_touched or self._hvddp_submitted or self._hvddp_flights)
 
     def _hvddp_unsynchronized(self) -> bool:
         """A backward ran since the last synchronize() (or none was called since the last step)."""
