@@ -6,6 +6,7 @@ exact result; each test ends with a cross-rank check that the replicas are ident
 """
 
 import os
+import shutil
 import tempfile
 
 import numpy as np
@@ -44,10 +45,28 @@ class Unused(layers.Layer):
         return x
 
 
+_SCRATCH = []  # rank 0's scratch directory for the files the ranks share, removed at the end
+
+
+def shared_directory(name):
+    """A fresh directory every rank knows (rank 0 makes it)."""
+    if RANK == 0 and not _SCRATCH:
+        _SCRATCH.append(tempfile.mkdtemp(prefix="hvddp_keras_fit_"))
+    return hvd.broadcast_object(tempfile.mkdtemp(dir=_SCRATCH[0]) if RANK == 0 else None, 0, name=f"test.dir.{name}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def remove_the_scratch_directory():
+    yield
+    hvd.barrier()  # every rank is done with the files
+    if _SCRATCH:
+        shutil.rmtree(_SCRATCH[0], ignore_errors=True)
+
+
 def saved_by_rank_0(model, filename):
     """Save ``model`` from rank 0 into a fresh directory every rank knows; return the path once
     the file is there."""
-    directory = hvd.broadcast_object(tempfile.mkdtemp() if RANK == 0 else None, 0, name=f"test.dir.{filename}")
+    directory = shared_directory(filename)
     path = os.path.join(directory, filename)
     if RANK == 0:
         model.save(path)
@@ -170,7 +189,7 @@ def test_passes_survive_a_broadcast_a_checkpoint_and_an_elastic_sync_between_upd
     compiled = model_with_passes
     want = compiled()
     want.fit(shard(x), shard(y), epochs=2, **fit)
-    directory = hvd.broadcast_object(tempfile.mkdtemp() if RANK == 0 else None, 0, name="test.dir.passes")
+    directory = shared_directory("passes")
     path = os.path.join(directory, "passes.ckpt")
     for how in ("broadcast", "checkpoint", "elastic"):
         model = compiled()
@@ -1100,7 +1119,7 @@ def test_checkpoint_resume_keeps_each_ranks_local_layer():
     def callbacks(model):
         return [hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=model.layers[-1].weights)]
 
-    directory = hvd.broadcast_object(tempfile.mkdtemp() if RANK == 0 else None, 0, name="test.dir.local.ckpt")
+    directory = shared_directory("local.ckpt")
     path = os.path.join(directory, "local.ckpt")
     ref = build(10)
     ref.fit(xs, ys, batch_size=GLOBAL_BATCH // SIZE, epochs=4, shuffle=False, verbose=0, callbacks=callbacks(ref))
