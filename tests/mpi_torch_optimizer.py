@@ -400,12 +400,7 @@ def test_step_inside_skip_synchronize_without_synchronize_is_refused():
     """Horovod's step() there updates from gradients still being averaged in place (the replicas
     part silently); hvddp finishes the averaging, applies nothing and raises, on every rank, and
     the next step() applies the averaged gradients once, as one process would."""
-    torch.manual_seed(0)
-    ref = Net()
-    model = copy.deepcopy(ref)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    model, ref, opt, ref_opt = _pair()
     x, y = batch(0)
     before = flat(model).clone()
     shard_loss(model, x, y, R).backward()

@@ -42,8 +42,14 @@ NP3_SUMMARY = {"tensorflow": "41 passed", "torch": "6 passed", "jax": "6 passed"
 QUIET = ["-W", "ignore::UserWarning", "-W", "ignore::DeprecationWarning"]
 # JAX compiles every fit's train step with XLA: ~0.8 s each here, over half of the JAX launch. The
 # tests check what is computed, not how fast, so they let XLA skip its CPU code optimisations
-# (the launch took 80 s with them, 67 s without, the same tests passing).
+# (mpi_keras_fit.py's tests at np=2 took 80 s with them, 67 s without, the same tests passing).
 FAST_COMPILE = {"jax": {"XLA_FLAGS": "--xla_backend_optimization_level=0"}}
+
+
+def _rank_side(np_, files, backend, *select):
+    """Run the rank-side modules ``files`` in one launch on ``backend``; return the output."""
+    env = {"KERAS_BACKEND": backend, **STALL, **FAST_COMPILE.get(backend, {})}
+    return run_pytest(np_, files[0], env=env, timeout=420, extra=[*files[1:], *QUIET, *select]).stdout
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -51,20 +57,16 @@ def test_rank_side_np2(backend):
     """Parity (Adam), passes, callbacks, save/reload, mixed precision, jit_compile, helpers,
     mismatches, Adasum, float8, local variables; the elastic API at a fixed size; on TensorFlow also
     hvddp.tensorflow's ops, tape and optimizer."""
-    env = {"KERAS_BACKEND": backend, **STALL, **FAST_COMPILE.get(backend, {})}
-    out = run_pytest(2, RANK_SIDE[backend][0], env=env, timeout=420,
-                     extra=[*RANK_SIDE[backend][1:], *QUIET,
-                            "--deselect", "tests/mpi_keras_fit.py::test_fit_parity[sgd]"])
-    assert re.search(r"\b" + NP2_SUMMARY[backend] + r"\b", out.stdout), out.stdout
+    out = _rank_side(2, RANK_SIDE[backend], backend, "--deselect", "tests/mpi_keras_fit.py::test_fit_parity[sgd]")
+    assert re.search(r"\b" + NP2_SUMMARY[backend] + r"\b", out), out
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_rank_side_np3(backend):
     """An odd number of ranks: the tests marked np3 (not their tf.function forms)."""
     files = [f for f in RANK_SIDE[backend] if "elastic" not in f]
-    env = {"KERAS_BACKEND": backend, **STALL, **FAST_COMPILE.get(backend, {})}
-    out = run_pytest(3, files[0], env=env, timeout=420, extra=[*files[1:], "-m", "np3 and not traced", *QUIET])
-    assert re.search(r"\b" + NP3_SUMMARY[backend] + r"\b", out.stdout), out.stdout
+    out = _rank_side(3, files, backend, "-m", "np3 and not traced")
+    assert re.search(r"\b" + NP3_SUMMARY[backend] + r"\b", out), out
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

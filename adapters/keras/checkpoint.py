@@ -12,9 +12,9 @@
 A checkpoint holds rank 0's model variables and optimizer variables (built first if needed:
 iteration count, learning rate, moments; gradient accumulators between the passes of an update
 averaged over the ranks first, see ``optimizer.average_accumulators``), the epoch and step, any
-picklable ``extra``, and per rank the states that differ between replicas: the layers' ``SeedGenerator`` states, Keras'
-global seed generator, Python's and NumPy's global RNGs, on the torch backend torch's
-generators (unseeded ``Dropout`` draws from them there), and, when the optimizer has local
+picklable ``extra``, and per rank the states that differ between replicas: the layers'
+``SeedGenerator`` states, Keras' global seed generator, Python's and NumPy's global RNGs, on the
+torch backend torch's generators (unseeded ``Dropout`` draws from them there), and, when the optimizer has local
 variables (``register_local_var``, ``PartialDistributedOptimizer``), those variables and the
 rank's optimizer variables. A resumed job continues as the uninterrupted one would.
 
