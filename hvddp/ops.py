@@ -739,8 +739,8 @@ def join(device: int = -1) -> int:
     return _control(Kind.JOIN, "__join__", global_process_set, "join").wait()
 
 
-def _process_set_op(what: str, ps: ProcessSet, state):
-    name = _auto_name(f"__process_set_{what}", global_process_set)
+def _process_set_op(what: str, ps: ProcessSet, state, name: Optional[str] = None):
+    name = name or _auto_name(f"__process_set_{what}", global_process_set)
     if what == "add":
         state.pending_process_sets[name] = ps
         handle = _control(Kind.ADD_PROCESS_SET, name, global_process_set, "add_process_set",

@@ -114,7 +114,25 @@ for step in range(10):
 assert time.monotonic() - start < 5.0, f"10 steps took {time.monotonic() - start:.1f} s"
 hvddp.remove_process_set(pair)
 
-# 6. copies and pickles: one registered set per process
+# 6. an add/remove refused on one rank only (a rank out of range, a set not registered): the others
+# raise naming it, and later adds/removes still pair across ranks (the refusing rank used to
+# raise before taking the call's name: the others waited and paired it with its next call)
+extra = hvddp.add_process_set([1, 2])
+for bad_rank, call in ((2, lambda: hvddp.add_process_set([0, 9] if rank == 2 else [0, 1])),
+                       (1, lambda: hvddp.remove_process_set(pair if rank == 1 else extra))):  # pair: removed
+    try:
+        call()
+    except (ValueError, hvddp.MismatchError) as exc:
+        assert type(exc) is (ValueError if rank == bad_rank else hvddp.MismatchError), repr(exc)
+        assert rank == bad_rank or f"refused on rank(s) [{bad_rank}]" in str(exc), exc
+    else:
+        raise AssertionError(f"a call refused on rank {bad_rank} passed on rank {rank}")
+hvddp.remove_process_set(extra)
+after = hvddp.add_process_set([0, 2])
+assert after.ranks == [0, 2] and hvddp.allreduce(np.ones(1), name="after.refusal", op=hvddp.Sum).tolist() == [3.0]
+hvddp.remove_process_set(after)
+
+# 7. copies and pickles: one registered set per process
 assert copy.deepcopy(s) is s and copy.copy(s) is s
 assert pickle.loads(pickle.dumps(s)) is s
 assert pickle.loads(pickle.dumps(hvddp.global_process_set)) is hvddp.global_process_set
@@ -126,7 +144,7 @@ unregistered = pickle.loads(pickle.dumps(s))
 assert unregistered is not s and unregistered.ranks == [0, 1] and unregistered.process_set_id is None
 hvddp.shutdown()
 
-# 7. init(process_sets=...) that differs across ranks: ValueError on every rank, not a hang
+# 8. init(process_sets=...) that differs across ranks: ValueError on every rank, not a hang
 mine = [hvddp.ProcessSet([0, 1] if rank == 0 else [0, 2])]
 try:
     hvddp.init(process_sets=mine)
