@@ -52,7 +52,34 @@ _SETTINGS = {
     "stall_check_warning_time_seconds": ("HVDDP_STALL_CHECK_TIME_SECONDS", str),
     "stall_check_shutdown_time_seconds": ("HVDDP_STALL_SHUTDOWN_TIME_SECONDS", str),
     "log_level": ("HVDDP_LOG_LEVEL", str),
+    "cache_capacity": ("HVDDP_CACHE_CAPACITY", str),
 }
+
+# horovodrun options hvddprun does not take, with what to do instead (the rest of horovodrun's
+# options that matter on an MPI cluster are hvddprun's too, under the same spellings)
+_HOROVODRUN_ONLY = {
+    "--output-filename": 'the launcher\'s own option, e.g. --mpi-args="-outfile-pattern out.%r" (MPICH) '
+                         'or --mpi-args="--output-filename DIR" (Open MPI)',
+    "--gloo": "hvddp has no Gloo controller: it runs on MPI (hvddprun uses mpi4py's mpiexec)",
+    "--jsrun": "start the ranks with jsrun yourself (python -m mpi4py train.py); hvddp finds its ranks through MPI",
+    "--min-np": "hvddp's elastic API runs at a fixed size: give -np",
+    "--max-np": "hvddp's elastic API runs at a fixed size: give -np",
+    "--host-discovery-script": "hvddp's elastic API runs at a fixed size: give -H or --hostfile",
+    "--ssh-port": "set the port in ~/.ssh/config, which the MPI launcher's ssh reads",
+    "-p": "set the port in ~/.ssh/config, which the MPI launcher's ssh reads",
+    "--ssh-identity-file": "set the key in ~/.ssh/config, which the MPI launcher's ssh reads",
+    "--network-interfaces": 'the MPI library\'s own setting, e.g. --mpi-args="-iface eth0" (MPICH)',
+    "--config-file": "pass the settings as options or HVDDP_* variables",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        hints = [f"{flag}: {hint}" for flag, hint in _HOROVODRUN_ONLY.items()
+                 if re.search(rf"(^|[\s:'\"]){re.escape(flag)}($|[\s=,'\"])", message)]
+        if hints:
+            message += " (horovodrun options hvddprun does not take; instead, " + "; ".join(hints) + ")"
+        super().error(message)
 
 # Forwarded to remote ranks by Open MPI (which forwards nothing by default) when set.
 _FORWARD = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "OMP_NUM_THREADS")
@@ -270,6 +297,8 @@ def settings_env(opts: argparse.Namespace) -> Dict[str, str]:
             raise ValueError(f"{flag} {value!r} is not valid ({exc})") from None
     if getattr(opts, "no_stall_check", False):
         env["HVDDP_STALL_CHECK_DISABLE"] = "1"
+    if getattr(opts, "timeline_mark_cycles", False):
+        env["HVDDP_TIMELINE_MARK_CYCLES"] = "1"
     return env
 
 
@@ -428,19 +457,29 @@ def check_build(mpiexec: Optional[str] = None) -> int:
 
 
 # main -------------------------------------------------------------------------------------
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="hvddprun",
         description="Run COMMAND on N ranks with the mpiexec of the MPI library mpi4py loads, "
                     "passing hvddp settings as HVDDP_* variables.",
         epilog="Example: hvddprun -np 4 -H node1:2,node2:2 python train.py --epochs 10")
+    p.add_argument("-v", "--version", action="version", version=f"hvddprun (hvddp {_version()})")
     p.add_argument("-np", "-n", "--num-proc", dest="np", type=int, metavar="N", help="number of ranks")
     hosts = p.add_mutually_exclusive_group()
     hosts.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...", help="host1:slots,host2:slots (default: this machine)")
-    hosts.add_argument("--hostfile", metavar="FILE", help="file with one `host`, `host:N` or `host slots=N` per line")
+    hosts.add_argument("-hostfile", "--hostfile", metavar="FILE",
+                       help="file with one `host`, `host:N` or `host slots=N` per line")
     p.add_argument("--fusion-threshold-mb", type=float, metavar="MB", help="HVDDP_FUSION_THRESHOLD, in MiB")
     p.add_argument("--cycle-time-ms", type=float, metavar="MS", help="HVDDP_CYCLE_TIME")
+    p.add_argument("--cache-capacity", type=int, metavar="N", help="HVDDP_CACHE_CAPACITY (0 turns the response cache off)")
     p.add_argument("--timeline-filename", metavar="FILE", help="HVDDP_TIMELINE: Chrome-trace file written by rank 0")
+    p.add_argument("--timeline-mark-cycles", action="store_true", help="HVDDP_TIMELINE_MARK_CYCLES=1")
     p.add_argument("--stall-check-warning-time-seconds", type=float, metavar="S",
                    help="HVDDP_STALL_CHECK_TIME_SECONDS: warn about collectives missing on some ranks")
     p.add_argument("--stall-check-shutdown-time-seconds", type=float, metavar="S",
@@ -454,8 +493,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="start the command directly, without hvddprun's per-rank monitor process "
                         "(which reports how each rank ended)")
     p.add_argument("--dry-run", action="store_true", help="print the mpiexec command and exit")
-    p.add_argument("--check-build", action="store_true",
+    p.add_argument("--verbose", action="store_true", help="print the mpiexec command, then run it")
+    p.add_argument("-cb", "--check-build", action="store_true",
                    help="print the MPI library, thread level and usable frameworks, then exit")
+    # horovodrun's, for scripts that pass them: hvddprun has no start-up checks to time out or cache
+    p.add_argument("--start-timeout", type=float, metavar="S", help="accepted and ignored (as horovodrun's)")
+    p.add_argument("--disable-cache", action="store_true", help="accepted and ignored (as horovodrun's)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command every rank runs")
     return p
 
@@ -491,8 +534,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if status_dir:
             shutil.rmtree(status_dir, ignore_errors=True)
         parser.error(str(exc))
+    if opts.dry_run or opts.verbose:
+        print(shlex.join(cmd), flush=True)
     if opts.dry_run:
-        print(shlex.join(cmd))
         return 0
     try:
         return _run(cmd, status_dir, opts.np, not opts.no_rank_monitor)

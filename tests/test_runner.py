@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from hvddp import _faults, runner
+from hvddp import __version__, _faults, runner
 from mpirun import ROOT
 from runner_helper import hvddprun
 
@@ -45,6 +45,7 @@ def test_settings_reach_every_rank_as_hvddp_variables(tmp_path):
     result, _ = hvddprun(["-np", "2", "--fusion-threshold-mb", "8", "--cycle-time-ms", "2.5",
                           "--timeline-filename", str(timeline), "--stall-check-warning-time-seconds", "7",
                           "--stall-check-shutdown-time-seconds", "20", "--log-level", "error",
+                          "--cache-capacity", "5", "--timeline-mark-cycles", "--verbose",
                           "python", "-u", PRINT, "--flag", "x y"])
     assert result.returncode == 0, result.stdout
     configs = _configs(result.stdout)
@@ -57,6 +58,8 @@ def test_settings_reach_every_rank_as_hvddp_variables(tmp_path):
         assert cfg["fusion_threshold_bytes"] == 8 << 20 and cfg["cycle_time_ms"] == 2.5
         assert cfg["stall_check_time_s"] == 7 and cfg["stall_shutdown_time_s"] == 20
         assert cfg["log_level"] == "ERROR" and cfg["timeline"] == str(timeline)
+        assert cfg["cache_capacity"] == 5 and cfg["timeline_mark_cycles"] is True
+    assert result.stdout.splitlines()[0].split()[0] == runner.find_launch().mpiexec  # --verbose: the command
     events = json.loads(timeline.read_text())  # rank 0 wrote it, and closed it at shutdown
     assert {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "allreduce.ranks"}} in events
 
@@ -85,6 +88,9 @@ def test_hosts_and_hostfile(tmp_path, hosts):
     (["-np", "2", "-H", "localhost:two"], ["slots must be a positive integer", "'two'"]),
     (["python", "x.py"], ["-np N is required"]),
     (["-np", "2"], ["no command given"]),
+    (["-np", "2", "--output-filename", "out"], ["--output-filename", "horovodrun options", "-outfile-pattern"]),
+    (["-np", "2", "--gloo"], ["--gloo", "no Gloo controller"]),
+    (["-np", "2", "--cache-capacity", "-1"], ["--cache-capacity", "HVDDP_CACHE_CAPACITY"]),
 ])
 def test_bad_arguments_fail_before_launch_naming_the_option(args, words, tmp_path):
     result, elapsed = hvddprun(args + ([] if args[-1].endswith(".py") or args == ["-np", "2"] else ["python", PRINT]),
@@ -112,6 +118,19 @@ def test_dry_run_shows_hydra_command_with_genv_and_mpi4py():
     result, _ = hvddprun(["-np", "2", "--no-rank-monitor", "--dry-run", "python", "train.py"])
     assert "--rank-monitor" not in result.stdout and result.stdout.split()[-4:] == [
         sys.executable, "-m", "mpi4py", "train.py"], result.stdout
+
+
+def test_horovodrun_spellings(tmp_path):
+    """horovodrun's -hostfile, -cb, -v, and its --start-timeout/--disable-cache (nothing to do
+    here, accepted) parse as in horovodrun: argparse read -hostfile as -h with 'ostfile'."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=2\n")
+    result, _ = hvddprun(["-np", "2", "-hostfile", str(hostfile), "--start-timeout", "30", "--disable-cache",
+                          "--dry-run", "python", "train.py"])
+    assert result.returncode == 0 and "localhost" in result.stdout, result.stdout
+    assert runner._parser().parse_args(["-cb"]).check_build is True
+    result, _ = hvddprun(["-v"])
+    assert result.returncode == 0 and result.stdout.strip() == f"hvddprun (hvddp {__version__})", result.stdout
 
 
 def test_finds_the_launcher_of_the_library_mpi4py_loads():
