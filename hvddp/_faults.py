@@ -360,12 +360,16 @@ def report(directory: str, np_: int, returncode: int, stopped_by: Optional[str] 
         if all(e[0] for e in events) and leavers:
             # only peers' ShutdownErrors: ranks that finished left while the others still waited (a
             # rank's exit code is not known at its exit: sys.exit(2) reads like the end of the script)
-            lines.append(f"hvddprun: {', '.join(who(r) for r in leavers)} left the job (hvddp shut down "
-                         f"at its exit: the script ended early, or called sys.exit() or shutdown()) while "
-                         f"other ranks still had collectives pending.")
-        _, _, rank, what = events[0]
-        lines.append(f"hvddprun: the first rank to fail: {who(rank)}, which {what}")
-        lines += [f"hvddprun: then {who(rank)} {what}" for _, _, rank, what in events[1:]]
+            lines.append(f"hvddprun: the first rank{'s' if len(leavers) > 1 else ''} to fail: "
+                         f"{', '.join(who(r) for r in leavers)}, which left the job (hvddp shut down at its "
+                         f"exit: the script ended early, or called sys.exit() or shutdown()) while other "
+                         f"ranks still had collectives pending.")
+            after = events
+        else:
+            _, _, rank, what = events[0]
+            lines.append(f"hvddprun: the first rank to fail: {who(rank)}, which {what}")
+            after = events[1:]
+        lines += [f"hvddprun: then {who(rank)} {what}" for _, _, rank, what in after]
         lines.append("hvddprun: the job was aborted.")
         if vanished:
             lines.append(f"hvddprun: the launcher then stopped {', '.join(f'rank {r}' for r in vanished)}.")

@@ -212,9 +212,8 @@ def test_report_puts_a_peer_shutdown_after_the_rank_that_left(tmp_path):
     (tmp_path / "rank-1.exit").unlink()
     (tmp_path / "rank-1.done").write_text(json.dumps({"rank": 1}))
     code, lines = _faults.report(str(tmp_path), 2, 2)
-    assert lines[0].startswith("hvddprun: rank 1 (pid 101 on a) left the job"), lines
-    assert lines[1].startswith("hvddprun: the first rank to fail: rank 0 (pid 100 on a), which raised "
-                               "ShutdownError"), lines
+    assert lines[0].startswith("hvddprun: the first rank to fail: rank 1 (pid 101 on a), which left the job"), lines
+    assert lines[1].startswith("hvddprun: then rank 0 (pid 100 on a) raised ShutdownError"), lines
 
 
 def test_stall_shutdown_while_cached_collectives_keep_running():
