@@ -121,9 +121,31 @@ def test_join_is_an_op(mode):
             np.testing.assert_array_equal(out, [sum(1 for r in range(SIZE) if r >= i)] * 2)
 
 
+@pytest.mark.traced
+def test_join_follows_a_training_loop_in_the_same_function():
+    """A tf.range loop that updates a variable, then join(), in one tf.function: the join waits
+    for the loop (TensorFlow orders the collectives among themselves, but not after a While op
+    that captures variables: join ran first, and the job hung or the joined rank gave zeros to
+    its own steps)."""
+    v = tf.Variable(tf.zeros([2]))
+
+    @tf.function
+    def epoch(steps):
+        for _ in tf.range(steps):
+            v.assign_add(hvd.allreduce(tf.ones([2]), op=hvd.Sum, name="join.loop"))
+        return hvd.join()
+
+    for _ in range(2):
+        v.assign(tf.zeros([2]))
+        last = epoch(tf.constant(RANK + 1))  # rank r: r + 1 steps
+        assert int(last.numpy()) == SIZE - 1
+        np.testing.assert_array_equal(v.numpy(), [sum(SIZE - i for i in range(RANK + 1))] * 2)
+
+
 def test_horovod_signatures_and_unsigned_copies():
     """Horovod's TF signatures (broadcast_object/allgather_object with session=None,
-    broadcast_object_fn, the tape's use_generic_names fourth), and uint16/32/64 tensors through
+    broadcast_object_fn, the tape's use_generic_names fourth, also to get_local_and_global_gradients),
+    and uint16/32/64 tensors through
     broadcast, allgather and alltoall, as their bits (values past the signed range included)."""
     assert hvd.broadcast_object(RANK, 0, None, "t.sig.b") == 0
     assert hvd.allgather_object(RANK, None, "t.sig.g") == list(range(SIZE))
@@ -135,6 +157,12 @@ def test_horovod_signatures_and_unsigned_copies():
         loss = tf.reduce_sum(v * v) * float(RANK + 1)
     (grad,) = hvd.DistributedGradientTape(tape).gradient(loss, [v], None, True)
     np.testing.assert_allclose(grad.numpy(), np.array([2.0, 4.0]) * (SIZE + 1) / 2)
+    with tf.GradientTape() as tape:  # the same fourth argument to the partial tape's split
+        loss = tf.reduce_sum(v * v) * float(RANK + 1)
+    local, shared = hvd.PartialDistributedGradientTape(tape, local_layers=[]).get_local_and_global_gradients(
+        loss, [v], None, True)
+    assert local == [] and shared[0][0] is v
+    np.testing.assert_allclose(shared[0][1].numpy(), np.array([2.0, 4.0]) * (SIZE + 1) / 2)
     for dtype in (np.uint16, np.uint32, np.uint64):
         top = np.iinfo(dtype).max
         x = tf.constant(np.array([top - RANK] * SIZE, dtype=dtype))

@@ -96,9 +96,9 @@ class _DistributedGradientTapeMixin:
         """Keep ``source``'s gradient on this rank: ``gradient()`` does not reduce it (Horovod's)."""
         self._hvddp["local"][_ref(source)] = source  # kept alive, so its id stays its own
 
-    def get_local_and_global_gradients(self, target, sources, output_gradients=None):
+    def get_local_and_global_gradients(self, target, sources, output_gradients=None, use_generic_names=False):
         """Horovod's: ``gradient()``, split into ``([(local source, gradient)], [(other source,
-        gradient)])`` in the order of ``sources``."""
+        gradient)])`` in the order of ``sources``; ``use_generic_names`` as in ``gradient()``."""
         grads = self.gradient(target, sources, output_gradients=output_gradients)
         pairs = list(zip(sources, grads))
         local = self._hvddp["local"]

@@ -608,6 +608,17 @@ def join() -> tf.Tensor:
     tensor. An op, as in Horovod: inside a ``tf.function`` it joins each time the function runs
     (a plain Python call would run once, while the function is traced)."""
     _check_xla("join")
-    out = _outputs(_py(lambda: np.int32(hvddp.join()), [], [tf.int32], "HvddpJoin"))[0]
+    with tf.control_dependencies(_earlier_side_effects()):
+        out = _outputs(_py(lambda: np.int32(hvddp.join()), [], [tf.int32], "HvddpJoin"))[0]
     out.set_shape([])
     return out
+
+
+def _earlier_side_effects() -> List[tf.Operation]:
+    """Inside a ``tf.function``: the stateful ops traced so far in this graph, which the join must
+    follow. TensorFlow chains the stateful ops without resource inputs (the collectives) in
+    program order, but not with those that have some: a training loop (a ``While`` or
+    ``ReduceDataset`` op capturing the variables) would run after the join, or beside it."""
+    if tf.executing_eagerly():
+        return []
+    return [op for op in tf.compat.v1.get_default_graph().get_operations() if op._is_stateful]
