@@ -140,20 +140,26 @@ class MetricAverageCallback(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if not logs or not self.process_set.included():  # outside the set: this rank's own values
             return
-        values = {k: _scalar(v) for k, v in logs.items()}
-        handles = [(k, hvddp.allreduce_async(np.asarray(values[k], dtype=np.float64),
-                                             name=f"keras.metric.{k}", process_set=self.process_set))
+        values = {k: _numeric(v) for k, v in logs.items()}
+        handles = [(k, hvddp.allreduce_async(values[k].astype(np.float64), name=f"keras.metric.{k}",
+                                             process_set=self.process_set))
                    for k in sorted(values) if values[k] is not None]
         for key, handle in handles:
-            logs[key] = float(handle.wait())
+            mean = handle.wait()
+            # a number stays a number; a metric with one value per class (F1Score(average=None))
+            # an array of its shape and float dtype
+            logs[key] = float(mean) if values[key].ndim == 0 else mean.astype(values[key].dtype)
 
 
-def _scalar(value: Any) -> Optional[float]:
+def _numeric(value: Any) -> Optional[np.ndarray]:
+    """A metric's value as a float numpy array (0-d for a number), or None if it is not numeric."""
     try:
-        array = np.asarray(_backend.to_numpy(value) if hasattr(value, "numpy") else value, dtype=np.float64)
+        array = np.asarray(_backend.to_numpy(value) if hasattr(value, "numpy") else value)
     except (TypeError, ValueError):
         return None
-    return float(array) if array.size == 1 else None
+    if array.dtype.kind not in "biuf":
+        return None
+    return array if array.dtype.kind == "f" else array.astype(np.float64)
 
 
 class LearningRateScheduleCallback(keras.callbacks.Callback):
