@@ -1028,6 +1028,26 @@ def test_float8_scales_are_the_maximum_not_averaged_or_scaled(passes):
     assert_replicas_identical(model.get_weights(), f"float8.{passes}")
 
 
+def test_a_deep_copy_reduces_as_the_original():
+    """copy.deepcopy of a wrapped optimizer keeps its hvddp settings and state (Keras copies an
+    optimizer through its saved form, which names the wrapped class: the copy was a plain SGD,
+    and replicas trained with it parted silently)."""
+    import copy
+
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0, momentum=0.5), op=hvd.Sum,
+                                   compression=hvd.Compression.fp16)
+    v = keras.Variable(np.zeros(2, "float32"))
+    opt.apply([ops.convert_to_tensor(np.full(2, RANK + 1.0, "float32"))], [v])  # momentum is now -sum
+    twin = copy.deepcopy(opt)
+    assert hvd.is_distributed(twin) and type(twin) is type(opt)
+    assert {k: twin._hvddp[k] for k in ("op", "compression")} == {"op": hvd.Sum, "compression": hvd.Compression.fp16}
+    for mine, theirs in zip(twin.variables, opt.variables):
+        np.testing.assert_array_equal(ops.convert_to_numpy(mine), ops.convert_to_numpy(theirs))
+    total = SIZE * (SIZE + 1) / 2
+    twin.apply([ops.convert_to_tensor(np.full(2, RANK + 1.0, "float32"))], [v])  # summed, with momentum
+    np.testing.assert_allclose(ops.convert_to_numpy(v), np.full(2, -total - (0.5 * total + total)))
+
+
 def test_exclude_from_weight_decay_survives_wrapping():
     """get_config leaves out exclude_from_weight_decay: the wrapper's AdamW decayed the biases."""
     model = make_model(unused=False)

@@ -147,6 +147,20 @@ class _DistributedOptimizerMixin:
                                             settings["compression"], ps, counts)
         return _drop_absent(reduced[:-1], reduced[-1], present) if flagged else reduced
 
+    def __deepcopy__(self, memo):
+        """A copy that reduces as this one does, with its state (Keras copies an optimizer through
+        its saved form, which names the wrapped class: the copy averaged nothing). Registered
+        local variables stay registered: they are the model's, which is not copied."""
+        settings = self._hvddp_settings()
+        twin = type(self).from_config(self.get_config())
+        _copy_unconfigured(twin, self)
+        object.__setattr__(twin, "_hvddp", dict(settings, local=dict(settings["local"])))
+        if self.built:
+            twin.build(list(self._trainable_variables))
+            _copy_state(twin, self)
+        memo[id(self)] = twin
+        return twin
+
     def register_local_var(self, var) -> None:
         """Keep ``var``'s gradient on this rank: it is not reduced (Horovod's). It is divided by
         the process set's size when the optimizer was made with ``scale_local_gradients=True``.
