@@ -577,6 +577,17 @@ def test_helpers_on_numpy_and_tensors():
     np.testing.assert_allclose(ops.convert_to_numpy(gathered)[:, 0], 100 * np.arange(SIZE))
     np.testing.assert_allclose(ops.convert_to_numpy(hvd.broadcast(tensor, 0, name="test.h.bcast")),
                                np.arange(4))
+    if BACKEND == "torch":  # differentiable, as on TensorFlow (the result was detached, silently)
+        import torch
+
+        w = torch.full((3,), 1.0 + RANK, requires_grad=True)
+        hvd.allreduce(w * w, name="test.h.grad").sum().backward()
+        np.testing.assert_allclose(w.grad.numpy(), np.full(3, 2.0 * (1 + RANK)))  # upstream averaged: 1
+    if BACKEND == "jax":  # not differentiable there: said plainly
+        import jax
+
+        with pytest.raises(ValueError, match="not differentiable on the JAX backend"):
+            jax.grad(lambda t: hvd.allreduce(t * t, name="test.h.grad").sum())(tensor)
     if BACKEND != "tensorflow" and SIZE > 1:  # hvddp's own error types, eager JAX arrays too (they
         # went through io_callback, which wrapped them in JAX's JaxRuntimeError)
         with pytest.raises(hvd.MismatchError, match="shape differs across ranks"):

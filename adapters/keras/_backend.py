@@ -41,6 +41,13 @@ def unwrap(value: Any) -> Any:
     return value.value if isinstance(value, keras.Variable) else value
 
 
+def needs_grad(value: Any) -> bool:
+    """A torch tensor autograd is recording (torch backend only)."""
+    import torch
+
+    return isinstance(value, torch.Tensor) and value.requires_grad and torch.is_grad_enabled()
+
+
 def is_numpy(value: Any) -> bool:
     return isinstance(value, (np.ndarray, np.generic, int, float, bool))
 
@@ -132,7 +139,14 @@ def _jax_call(fn: Callable[..., List[np.ndarray]], tensors: Sequence[Any],
             raise
 
     _renew_effect_tokens()
-    return list(io_callback(callback, result, *tensors, ordered=True))
+    try:
+        return list(io_callback(callback, result, *tensors, ordered=True))
+    except ValueError as exc:
+        if "JVP" not in str(exc):
+            raise
+        raise ValueError("hvddp.keras collectives are not differentiable on the JAX backend (they run "
+                         "through jax.experimental.io_callback); reduce outside jax.grad, or use the "
+                         "TensorFlow or torch backend, whose allreduce is.") from exc
 
 
 def call(fn: Callable[..., List[np.ndarray]], tensors: Sequence[Any],
