@@ -325,6 +325,38 @@ def test_metric_average_callback():
         np.testing.assert_allclose(per_class, [(SIZE - 1) / 2, 10.0 * (SIZE - 1) / 2 + epoch])
 
 
+def test_best_model_checkpoint_saves_improvements_on_rank_0():
+    """Horovod's BestModelCheckpoint (monitor first; filepath a keyword here, since Horovod's
+    None is refused by Keras 3): the model whose averaged monitored value was best, on rank 0."""
+    with pytest.raises(ValueError, match="filepath"):
+        hvd.callbacks.BestModelCheckpoint(monitor="loss")
+    path = os.path.join(shared_directory("best"), "best.keras")
+    losses = iter([3.0, 1.0, 2.0])
+
+    class Loss(keras.callbacks.Callback):  # a monitored value that improves once, then worsens
+        def on_epoch_end(self, epoch, logs=None):
+            logs["made_up"] = next(losses) + RANK  # averaged first: its order is the same everywhere
+
+    kept = {}
+
+    class Keep(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            kept[epoch] = [w.copy() for w in self.model.get_weights()]
+
+    model = make_model(unused=False)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    x, y = np.ones((8, 5), "float32"), np.zeros((8, 3), "float32")
+    model.fit(x, y, batch_size=4, epochs=3, verbose=0,
+              callbacks=[Loss(), hvd.callbacks.MetricAverageCallback(), Keep(),
+                         hvd.callbacks.BestModelCheckpoint("made_up", mode="min", filepath=path)])
+    hvd.barrier()
+    if RANK == 0:
+        saved = keras.models.load_model(path, compile=False).get_weights()
+        for mine, best in zip(saved, kept[1]):  # epoch 1's, not the last one's
+            np.testing.assert_array_equal(mine, best)
+        assert not np.array_equal(saved[0], kept[2][0])
+
+
 def _linear_model():
     model = keras.Sequential([keras.Input((1,)), layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
     # d(loss)/d(w) = mean(x) = 1 on every rank, so each step moves w by exactly -lr.

@@ -17,7 +17,7 @@ from .functions import broadcast_variables
 from .optimizer import average_accumulators
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
-           "LearningRateWarmupCallback"]
+           "LearningRateWarmupCallback", "BestModelCheckpoint"]
 
 _log = logging.getLogger("hvddp")
 
@@ -291,3 +291,29 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         if epoch == self.end_epoch - 1 and self.warmup_verbose and hvddp.rank() == 0:
             _log.warning("epoch %d: finished gradual learning rate warm-up to %g", epoch + 1,
                          float(_backend.to_numpy(self.model.optimizer.learning_rate)))
+
+
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Horovod's: ``keras.callbacks.ModelCheckpoint`` that saves the whole model each time
+    ``monitor`` improves (``save_best_only=True``), written by rank 0 only.
+
+    Horovod's leaves ``filepath`` to its Spark estimator and passes None, which Keras 3
+    refuses; here it is a keyword after Horovod's arguments (a ``.keras`` file). Put a
+    ``MetricAverageCallback`` before it so that the monitored value is the ranks' average.
+    """
+
+    def __init__(self, monitor: str = "val_loss", verbose: int = 0, mode: str = "auto", save_freq: Any = "epoch",
+                 *, filepath: Optional[str] = None):
+        if filepath is None:
+            raise ValueError("BestModelCheckpoint needs filepath='best.keras' (Horovod's gets one from its Spark "
+                             "estimator); Received: filepath=None.")
+        super().__init__(filepath, monitor=monitor, verbose=verbose, save_best_only=True,
+                         save_weights_only=False, mode=mode, save_freq=save_freq)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if hvddp.rank() == 0:
+            super().on_train_batch_end(batch, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if hvddp.rank() == 0:
+            super().on_epoch_end(epoch, logs)
