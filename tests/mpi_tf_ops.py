@@ -152,6 +152,8 @@ def test_horovod_signatures_and_unsigned_copies():
     assert hvd.broadcast_object_fn(root_rank=SIZE - 1, name="t.sig.fn")(RANK) == SIZE - 1
     with pytest.raises(TypeError, match="sessions are not supported"):
         hvd.broadcast_object(1, 0, object())
+    with pytest.raises(TypeError, match=r"^allreduce: tensor is a RaggedTensor.*to_tensor"):
+        hvd.allreduce(tf.ragged.constant([[1.0], [2.0, 3.0]]), name="t.sig.ragged")
     v = tf.Variable([1.0, 2.0])
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(v * v) * float(RANK + 1)

@@ -94,6 +94,9 @@ def _check_xla(fn: str) -> None:
 def _dense(tensor: Any, fn: str) -> tf.Tensor:
     if isinstance(tensor, tf.IndexedSlices):
         tensor = tf.convert_to_tensor(tensor)  # hvddp reduces sparse gradients as dense ones
+    if isinstance(tensor, (tf.RaggedTensor, tf.SparseTensor)):  # (TensorFlow's own error said "no len()")
+        raise TypeError(f"{fn}: tensor is a {type(tensor).__name__}, which hvddp does not reduce or gather; "
+                        f"pass a dense tensor (.to_tensor(), or tf.sparse.to_dense()) or its values.")
     return tf.convert_to_tensor(tensor)
 
 
