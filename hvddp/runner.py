@@ -55,20 +55,23 @@ _SETTINGS = {
     "cache_capacity": ("HVDDP_CACHE_CAPACITY", str),
 }
 
-# horovodrun options hvddprun does not take, with what to do instead (the rest of horovodrun's
-# options that matter on an MPI cluster are hvddprun's too, under the same spellings)
+# horovodrun options hvddprun does not take, with what to do instead (the others are hvddprun's
+# too, under the same spellings, or unknown to it: its autotune, hierarchical and Gloo settings)
+_ELASTIC = "hvddp's elastic API runs at a fixed size: give -np"
+_SSH = "set it in ~/.ssh/config, which the MPI launcher's ssh reads"
 _HOROVODRUN_ONLY = {
     "--output-filename": 'the launcher\'s own option, e.g. --mpi-args="-outfile-pattern out.%r" (MPICH) '
                          'or --mpi-args="--output-filename DIR" (Open MPI)',
     "--gloo": "hvddp has no Gloo controller: it runs on MPI (hvddprun uses mpi4py's mpiexec)",
     "--jsrun": "start the ranks with jsrun yourself (python -m mpi4py train.py); hvddp finds its ranks through MPI",
-    "--min-np": "hvddp's elastic API runs at a fixed size: give -np",
-    "--max-np": "hvddp's elastic API runs at a fixed size: give -np",
-    "--host-discovery-script": "hvddp's elastic API runs at a fixed size: give -H or --hostfile",
-    "--ssh-port": "set the port in ~/.ssh/config, which the MPI launcher's ssh reads",
-    "-p": "set the port in ~/.ssh/config, which the MPI launcher's ssh reads",
-    "--ssh-identity-file": "set the key in ~/.ssh/config, which the MPI launcher's ssh reads",
+    "--min-np": _ELASTIC, "--min-num-proc": _ELASTIC, "--max-np": _ELASTIC, "--max-num-proc": _ELASTIC,
+    "--slots-per-host": _ELASTIC, "--host-discovery-script": "hvddp's elastic API runs at a fixed size: "
+                                                            "give -H or --hostfile",
+    "--ssh-port": _SSH, "-p": _SSH, "--ssh-identity-file": _SSH, "-i": _SSH,
     "--network-interfaces": 'the MPI library\'s own setting, e.g. --mpi-args="-iface eth0" (MPICH)',
+    "--network-interface": 'the MPI library\'s own setting, e.g. --mpi-args="-iface eth0" (MPICH)',
+    "--tcp": "the MPI library's own setting, through --mpi-args",
+    "--mpi-threads-disable": "hvddp needs MPI's thread support (its engine runs in a thread)",
     "--config-file": "pass the settings as options or HVDDP_* variables",
 }
 
@@ -499,22 +502,41 @@ def _parser() -> argparse.ArgumentParser:
     # horovodrun's, for scripts that pass them: hvddprun has no start-up checks to time out or cache
     p.add_argument("--start-timeout", type=float, metavar="S", help="accepted and ignored (as horovodrun's)")
     p.add_argument("--disable-cache", action="store_true", help="accepted and ignored (as horovodrun's)")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="the command every rank runs")
+    p.add_argument("--mpi", action="store_true", help="accepted and ignored: MPI is hvddprun's only controller")
+    p.add_argument("command", nargs="*", help="the command every rank runs (its arguments are its own)")
     return p
+
+
+def _split_command(parser: argparse.ArgumentParser, argv: List[str]) -> Tuple[List[str], List[str]]:
+    """hvddprun's options, and the command from its first word (or after ``--``) on.
+
+    argparse alone also classifies the command's own arguments, and one that abbreviates two of
+    hvddprun's options (``train.py -host x``: ``-h``/``-hostfile``) stopped the run.
+    """
+    takes_value = {opt: action.nargs != 0 for action in parser._actions for opt in action.option_strings}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return argv[:i], argv[i + 1:]
+        if not arg.startswith("-") or arg == "-":
+            return argv[:i], argv[i:]
+        flag = arg.split("=", 1)[0]
+        known = [flag] if flag in takes_value else [o for o in takes_value if o.startswith("--") and o.startswith(flag)]
+        i += 2 if len(known) == 1 and takes_value[known[0]] and "=" not in arg else 1
+    return argv, []
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``hvddprun`` console script; returns the job's exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = _parser()
-    opts = parser.parse_args(argv)
+    mine, command = _split_command(parser, argv)
+    opts = parser.parse_args(mine)
     if opts.check_build:
         return check_build(opts.mpiexec)
     if opts.np is None:
         parser.error("-np N is required (the number of ranks).")
-    command = list(opts.command)
-    if command[:1] == ["--"]:
-        command = command[1:]
     if not command:
         parser.error("no command given: hvddprun -np N python train.py")
     status_dir = None

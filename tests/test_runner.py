@@ -126,8 +126,14 @@ def test_horovodrun_spellings(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("localhost slots=2\n")
     result, _ = hvddprun(["-np", "2", "-hostfile", str(hostfile), "--start-timeout", "30", "--disable-cache",
-                          "--dry-run", "python", "train.py"])
-    assert result.returncode == 0 and "localhost" in result.stdout, result.stdout
+                          "--mpi", "--dry-run", "python", "train.py"])
+    assert result.returncode == 0 and "localhost:2" in result.stdout, result.stdout
+    # the command's own arguments are its own, also where they abbreviate two of hvddprun's
+    # options (-host: -h or -hostfile; --ver: --version or --verbose), which stopped the run
+    result, _ = hvddprun(["-np", "2", "--dry-run", "python", "train.py", "-host", "x", "--ver", "-np", "5"])
+    assert result.returncode == 0, result.stdout
+    words = result.stdout.split()
+    assert words[-6:] == ["train.py", "-host", "x", "--ver", "-np", "5"] and "5" not in words[:-6], result.stdout
     assert runner._parser().parse_args(["-cb"]).check_build is True
     result, _ = hvddprun(["-v"])
     assert result.returncode == 0 and result.stdout.strip() == f"hvddprun (hvddp {__version__})", result.stdout
