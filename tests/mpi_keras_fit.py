@@ -581,7 +581,7 @@ def test_scalar_weights_and_tensors_keep_their_shape():
     assert_replicas_identical(model.get_weights(), "scalar")
 
 
-def test_helpers_on_numpy_and_tensors():
+def test_helpers_on_numpy_and_tensors(monkeypatch):
     value = np.arange(4, dtype="float32") + 100 * RANK
     mean = np.arange(4) + 100 * (SIZE - 1) / 2
     from_numpy = hvd.allreduce(value, name="test.h.np")
@@ -615,6 +615,18 @@ def test_helpers_on_numpy_and_tensors():
         w = torch.full((3,), 1.0 + RANK, requires_grad=True)
         hvd.allreduce(w * w, name="test.h.grad").sum().backward()
         np.testing.assert_allclose(w.grad.numpy(), np.full(3, 2.0 * (1 + RANK)))  # upstream averaged: 1
+    if BACKEND == "jax":  # a concrete array a jitted function closes over: reduced on every call,
+        # not once while tracing (only a tracer input used to send the call through io_callback)
+        import hvddp
+        import jax
+
+        calls, real = [], hvddp.allreduce
+        monkeypatch.setattr(hvddp, "allreduce", lambda *a, **k: calls.append(1) or real(*a, **k))
+        closed = jax.numpy.full((2,), float(RANK))
+        jitted = jax.jit(lambda t: t + hvd.allreduce(closed, name="test.h.closed", op=hvd.Sum))
+        for _ in range(3):
+            np.testing.assert_allclose(np.asarray(jitted(tensor[:2])), np.arange(2) + 100 * RANK + SIZE * (SIZE - 1) / 2)
+        assert len(calls) == 3, calls
     if BACKEND == "jax":  # not differentiable there: said plainly
         import jax
 

@@ -118,14 +118,31 @@ def _renew_effect_tokens() -> None:
     tokens.clear()
 
 
+def jax_tracing(tensors: Sequence[Any] = ()) -> bool:
+    """Whether JAX is tracing (``jax.jit``, ``lax.cond``, ``jax.grad``...): then a collective must
+    be staged (``io_callback``) even when its inputs are concrete arrays the traced function
+    closes over, else it would run once, at trace time (Keras' accumulation ``cond`` traces both
+    branches of an eager ``apply`` so)."""
+    import jax
+
+    if any(isinstance(t, jax.core.Tracer) for t in tensors):
+        return True
+    try:
+        from jax._src.core import trace_state_clean
+    except ImportError:  # a JAX without it: a fresh array is a tracer exactly while tracing
+        return isinstance(jax.numpy.zeros(()), jax.core.Tracer)
+    return not trace_state_clean()
+
+
 def _jax_call(fn: Callable[..., List[np.ndarray]], tensors: Sequence[Any],
               out_shapes: Optional[Sequence[tuple]] = None) -> List[Any]:
     import jax
     from jax.experimental import io_callback
 
-    if not any(isinstance(t, jax.core.Tracer) for t in tensors):
+    if not jax_tracing(tensors):
         # eager: the core, directly. Through io_callback an eager call cost ~27 ms instead of
-        # ~0.5 ms, and its errors came wrapped in JAX's JaxRuntimeError, not hvddp's types
+        # ~0.7 ms, and its errors came wrapped in JAX's JaxRuntimeError, not hvddp's types
+        _renew_effect_tokens()
         jax.effects_barrier()  # after the collectives of steps still running (ordered effects)
         return [jax.numpy.asarray(a) for a in fn(*[np.asarray(t) for t in tensors])]
     shapes = out_shapes or [tuple(t.shape) for t in tensors]

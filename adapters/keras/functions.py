@@ -23,11 +23,8 @@ def _announcing(core_fn: Any, name: Optional[str], process_set: ProcessSet, valu
     except for a value ``jax.jit`` traces: the traced call may never run (a branch not taken),
     and the collectives traced before it would keep its peers waiting anyway, so there a
     refusal raises on this rank alone, when it is traced."""
-    if _backend.name() == "jax" and not _backend.is_numpy(value):
-        import jax
-
-        if isinstance(value, jax.core.Tracer):
-            return contextlib.nullcontext()
+    if _backend.name() == "jax" and not _backend.is_numpy(value) and _backend.jax_tracing([value]):
+        return contextlib.nullcontext()
     return _grouping.announcing(core_fn, name, process_set)
 
 
