@@ -612,9 +612,11 @@ def test_helpers_on_numpy_and_tensors(monkeypatch):
     if BACKEND == "torch":  # differentiable, as on TensorFlow (the result was detached, silently)
         import torch
 
-        w = torch.full((3,), 1.0 + RANK, requires_grad=True)
-        hvd.allreduce(w * w, name="test.h.grad").sum().backward()
-        np.testing.assert_allclose(w.grad.numpy(), np.full(3, 2.0 * (1 + RANK)))  # upstream averaged: 1
+        for compression in (hvd.Compression.none, hvd.Compression.fp16):
+            w = torch.full((3,), 1.0 + RANK, requires_grad=True)
+            (hvd.allreduce(w * w, name="test.h.grad", compression=compression) * (RANK + 1)).sum().backward()
+            # the upstream gradients (RANK + 1) averaged, times d(w * w)/dw
+            np.testing.assert_allclose(w.grad.numpy(), np.full(3, 2.0 * (1 + RANK) * (SIZE + 1) / 2))
     if BACKEND == "jax":  # a concrete array a jitted function closes over: reduced on every call,
         # not once while tracing (only a tracer input used to send the call through io_callback)
         import hvddp

@@ -45,7 +45,9 @@ def needs_grad(value: Any) -> bool:
     """A torch tensor autograd is recording (torch backend only)."""
     import torch
 
-    return isinstance(value, torch.Tensor) and value.requires_grad and torch.is_grad_enabled()
+    from hvddp.torch.mpi_ops import _needs_grad
+
+    return isinstance(value, torch.Tensor) and _needs_grad(value)
 
 
 def is_numpy(value: Any) -> bool:

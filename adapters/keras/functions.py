@@ -47,12 +47,18 @@ def allreduce(value: Any, name: Optional[str] = None, average: Optional[bool] = 
 
         return tf_allreduce(value, average=average, compression=compression, op=op, prescale_factor=prescale_factor,
                             postscale_factor=postscale_factor, name=name, process_set=process_set)
-    if _backend.name() == "torch" and _backend.needs_grad(value) and compression is Compression.none:
+    if _backend.name() == "torch" and _backend.needs_grad(value):
         # differentiable, as on TensorFlow: hvddp.torch's op (the numpy path detached it silently)
-        from hvddp.torch import allreduce as torch_allreduce
+        import hvddp.torch as hvd_torch
 
-        return torch_allreduce(value, average=average, name=name, op=op, prescale_factor=prescale_factor,
-                               postscale_factor=postscale_factor, process_set=process_set)
+        same = {Compression.none: hvd_torch.Compression.none, Compression.fp16: hvd_torch.Compression.fp16,
+                Compression.bf16: hvd_torch.Compression.bf16}
+        if compression not in same:
+            raise ValueError(f"allreduce: a torch tensor autograd records takes hvd.Compression.none, .fp16 or "
+                             f".bf16 (the gradient flows through those); Received: compression={compression!r}.")
+        return hvd_torch.allreduce(value, average=average, name=name, compression=same[compression], op=op,
+                                   prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                                   process_set=process_set)
     with _announcing(hvddp.allreduce, name, process_set, value):
         op = _grouping.check_op(op, average, "allreduce", adasum=True)
         if op is hvddp.Adasum and not _backend.is_numpy(value):  # (the core checks numpy values)
