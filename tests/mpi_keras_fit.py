@@ -1088,8 +1088,9 @@ def test_float8_scales_are_the_maximum_not_averaged_or_scaled(passes):
 def test_a_deep_copy_reduces_as_the_original():
     """copy.deepcopy of a wrapped optimizer keeps its hvddp settings and state (Keras copies an
     optimizer through its saved form, which names the wrapped class: the copy was a plain SGD,
-    and replicas trained with it parted silently)."""
+    and replicas trained with it parted silently). A pickle is refused, saying what to do."""
     import copy
+    import pickle
 
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0, momentum=0.5), op=hvd.Sum,
                                    compression=hvd.Compression.fp16)
@@ -1103,6 +1104,15 @@ def test_a_deep_copy_reduces_as_the_original():
     total = SIZE * (SIZE + 1) / 2
     twin.apply([ops.convert_to_tensor(np.full(2, RANK + 1.0, "float32"))], [v])  # summed, with momentum
     np.testing.assert_allclose(ops.convert_to_numpy(v), np.full(2, -total - (0.5 * total + total)))
+    # the inner optimizer of a LossScaleOptimizer leaves the reduction to the outer one; its copy
+    # stands alone, so it reduces itself
+    scaled = keras.optimizers.LossScaleOptimizer(hvd.DistributedOptimizer(keras.optimizers.SGD(1.0)))
+    scaled.build([v])  # (as compile under mixed_float16: the reduction moves to the outer one)
+    assert scaled.inner_optimizer._hvddp["passthrough"]
+    inner = copy.deepcopy(scaled.inner_optimizer)
+    assert hvd.is_distributed(inner) and not inner._hvddp["passthrough"]
+    with pytest.raises(TypeError, match="cannot be pickled.*model.save"):
+        pickle.dumps(opt)
 
 
 def test_exclude_from_weight_decay_survives_wrapping():

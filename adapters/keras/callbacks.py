@@ -157,9 +157,9 @@ def _numeric(value: Any) -> Optional[np.ndarray]:
         array = np.asarray(_backend.to_numpy(value) if hasattr(value, "numpy") else value)
     except (TypeError, ValueError):
         return None
-    if array.dtype.kind not in "biuf":
-        return None
-    return array if array.dtype.kind == "f" else array.astype(np.float64)
+    if array.dtype.kind == "f" or array.dtype.name == "bfloat16":  # (ml_dtypes' bfloat16 is kind "V")
+        return array
+    return array.astype(np.float64) if array.dtype.kind in "biu" else None
 
 
 class LearningRateScheduleCallback(keras.callbacks.Callback):

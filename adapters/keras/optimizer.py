@@ -154,12 +154,20 @@ class _DistributedOptimizerMixin:
         settings = self._hvddp_settings()
         twin = type(self).from_config(self.get_config())
         _copy_unconfigured(twin, self)
-        object.__setattr__(twin, "_hvddp", dict(settings, local=dict(settings["local"])))
+        # (a copy of a LossScaleOptimizer's inner one reduces itself: nothing wraps it any more)
+        object.__setattr__(twin, "_hvddp", dict(settings, local=dict(settings["local"]), passthrough=False,
+                                                in_stateless=False, deferred=False, deferred_variables=None))
         if self.built:
             twin.build(list(self._trainable_variables))
             _copy_state(twin, self)
         memo[id(self)] = twin
         return twin
+
+    def __reduce__(self):
+        raise TypeError(f"a DistributedOptimizer ({type(self).__name__}) cannot be pickled: Keras pickles an "
+                        f"optimizer by its class, which hvddp makes at run time. Save the model (model.save; "
+                        f"hvd.load_model wraps its optimizer again), or pickle the plain optimizer and wrap it "
+                        f"after unpickling.")
 
     def register_local_var(self, var) -> None:
         """Keep ``var``'s gradient on this rank: it is not reduced (Horovod's). It is divided by

@@ -99,7 +99,7 @@ class _DistributedGradientTapeMixin:
     def get_local_and_global_gradients(self, target, sources, output_gradients=None, use_generic_names=False):
         """Horovod's: ``gradient()``, split into ``([(local source, gradient)], [(other source,
         gradient)])`` in the order of ``sources``; ``use_generic_names`` as in ``gradient()``."""
-        grads = self.gradient(target, sources, output_gradients=output_gradients)
+        grads = self.gradient(target, sources, output_gradients, use_generic_names)
         pairs = list(zip(sources, grads))
         local = self._hvddp["local"]
         return ([p for p in pairs if _is_local(p[0], local)], [p for p in pairs if not _is_local(p[0], local)])
