@@ -135,9 +135,15 @@ def test_join_follows_a_training_loop_in_the_same_function():
             v.assign_add(hvd.allreduce(tf.ones([2]), op=hvd.Sum, name="join.loop"))
         return hvd.join()
 
-    for _ in range(2):
+    @tf.function
+    def epoch_then_join_in_a_branch(steps):  # the join traced in a cond branch's own graph
+        for _ in tf.range(steps):
+            v.assign_add(hvd.allreduce(tf.ones([2]), op=hvd.Sum, name="join.loop.cond"))
+        return tf.cond(steps > 0, hvd.join, lambda: tf.constant(-1))
+
+    for fn in (epoch, epoch, epoch_then_join_in_a_branch):
         v.assign(tf.zeros([2]))
-        last = epoch(tf.constant(RANK + 1))  # rank r: r + 1 steps
+        last = fn(tf.constant(RANK + 1))  # rank r: r + 1 steps
         assert int(last.numpy()) == SIZE - 1
         np.testing.assert_array_equal(v.numpy(), [sum(SIZE - i for i in range(RANK + 1))] * 2)
 

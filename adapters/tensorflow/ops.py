@@ -618,10 +618,13 @@ def join() -> tf.Tensor:
 
 
 def _earlier_side_effects() -> List[tf.Operation]:
-    """Inside a ``tf.function``: the stateful ops traced so far in this graph, which the join must
-    follow. TensorFlow chains the stateful ops without resource inputs (the collectives) in
+    """Inside a ``tf.function``: the stateful ops traced so far in this graph and the graphs around
+    it, which the join must follow. TensorFlow chains the stateful ops without resource inputs (the collectives) in
     program order, but not with those that have some: a training loop (a ``While`` or
     ``ReduceDataset`` op capturing the variables) would run after the join, or beside it."""
-    if tf.executing_eagerly():
-        return []
-    return [op for op in tf.compat.v1.get_default_graph().get_operations() if op._is_stateful]
+    found = []
+    graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    while graph is not None and graph.building_function:  # also those of the enclosing functions
+        found += [op for op in graph.get_operations() if op._is_stateful]  # (a cond branch, a loop body)
+        graph = getattr(graph, "outer_graph", None)
+    return found
