@@ -739,6 +739,19 @@ def join(device: int = -1) -> int:
     return _control(Kind.JOIN, "__join__", global_process_set, "join").wait()
 
 
+def _process_set_call(what: str, check: Callable[[], Any]):
+    """The start of ``add_process_set``/``remove_process_set``: the call's name, then ``check()``
+    (its own argument checks); returns ``(state, name, check())``. A rank whose check raises
+    announces the refusal under that name, so the others raise too instead of pairing it with
+    this rank's next add or remove."""
+    state, view = _process_set(global_process_set, f"{what}_process_set")
+    name = _auto_name(f"__process_set_{what}", global_process_set)
+    kind = Kind.ADD_PROCESS_SET if what == "add" else Kind.REMOVE_PROCESS_SET
+    with _refusing(state, view, kind, [name]):
+        result = check()
+    return state, name, result
+
+
 def _process_set_op(what: str, ps: ProcessSet, state, name: Optional[str] = None):
     name = name or _auto_name(f"__process_set_{what}", global_process_set)
     if what == "add":

@@ -678,16 +678,13 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
         The registered ``ProcessSet``.
 
     Raises:
-        MismatchError: ranks passed different rank lists.
+        ValueError: a bad argument on this rank (ranks out of range, a set already registered);
+            the other ranks then raise ``MismatchError`` naming this one.
+        MismatchError: ranks passed different rank lists, or another rank refused its argument.
     """
     from . import ops
-    from .engine.messages import Kind
 
-    state, view = ops._process_set(global_process_set, "add_process_set")
-    # the name first: a rank that refuses its argument announces it under the name the others
-    # take for their call, so they raise too instead of pairing it with this rank's next one
-    name = ops._auto_name("__process_set_add", global_process_set)
-    with ops._refusing(state, view, Kind.ADD_PROCESS_SET, [name]):
+    def checked() -> ProcessSet:
         ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
         if ps._mpi_comm is not None:
             raise ValueError("add_process_set(): a ProcessSet made from a communicator can only be registered "
@@ -696,9 +693,12 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
             raise ValueError("add_process_set() needs explicit ranks; the global set always exists.")
         if ps.process_set_id is not None:
             raise ValueError(f"{ps!r} is already registered.")
-        bad = [r for r in ps.ranks if not 0 <= r < state.size]
+        bad = [r for r in ps.ranks if not 0 <= r < _state().size]
         if bad:
-            raise ValueError(f"add_process_set: ranks {bad} are out of range for world size {state.size}.")
+            raise ValueError(f"add_process_set: ranks {bad} are out of range for world size {_state().size}.")
+        return ps
+
+    state, name, ps = ops._process_set_call("add", checked)
     return ops._process_set_op("add", ps, state, name)
 
 
@@ -706,18 +706,22 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a process set and free its communicator. Every rank calls it.
 
     Returns:
-        True (as Horovod's); the global set or an unregistered one raise ``ValueError`` instead.
+        True (as Horovod's).
+
+    Raises:
+        ValueError: the global set or an unregistered one on this rank; the other ranks then
+            raise ``MismatchError`` naming this one.
+        MismatchError: ranks named different sets, or another rank refused its argument.
     """
     from . import ops
-    from .engine.messages import Kind
 
-    state, view = ops._process_set(global_process_set, "remove_process_set")
-    name = ops._auto_name("__process_set_remove", global_process_set)  # as in add_process_set
-    with ops._refusing(state, view, Kind.REMOVE_PROCESS_SET, [name]):
+    def checked() -> None:
         if process_set is global_process_set:
             raise ValueError("the global process set cannot be removed.")
         if not isinstance(process_set, ProcessSet) or process_set.process_set_id is None:
             raise ValueError(f"remove_process_set: {process_set!r} is not a registered process set.")
+
+    state, name, _ = ops._process_set_call("remove", checked)
     # a set made from a communicator is a different part on different ranks: every part goes,
     # in the order init() registered them, the same on every rank
     for i, part in enumerate(process_set._parts or [process_set]):

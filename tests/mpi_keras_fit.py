@@ -330,7 +330,8 @@ def test_best_model_checkpoint_saves_improvements_on_rank_0():
     None is refused by Keras 3): the model whose averaged monitored value was best, on rank 0."""
     with pytest.raises(ValueError, match="filepath"):
         hvd.callbacks.BestModelCheckpoint(monitor="loss")
-    path = os.path.join(shared_directory("best"), "best.keras")
+    directory = shared_directory("best")
+    path = os.path.join(directory, f"best{RANK}.keras")  # a path per rank: only rank 0's is written
     losses = iter([3.0, 1.0, 2.0])
 
     class Loss(keras.callbacks.Callback):  # a monitored value that improves once, then worsens
@@ -350,6 +351,7 @@ def test_best_model_checkpoint_saves_improvements_on_rank_0():
               callbacks=[Loss(), hvd.callbacks.MetricAverageCallback(), Keep(),
                          hvd.callbacks.BestModelCheckpoint("made_up", mode="min", filepath=path)])
     hvd.barrier()
+    assert sorted(os.listdir(directory)) == ["best0.keras"]
     if RANK == 0:
         saved = keras.models.load_model(path, compile=False).get_weights()
         for mine, best in zip(saved, kept[1]):  # epoch 1's, not the last one's
