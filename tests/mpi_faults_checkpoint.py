@@ -81,5 +81,22 @@ else:
     raise AssertionError("a state the root could not gather was saved")
 assert hvddp.allreduce(np.ones(1), name="after.torch.checkpoint", op=hvddp.Sum)[0] == hvddp.size()
 
+# A file that does not fit what load_checkpoint is given: CheckpointError on every rank, naming
+# what does not fit (an Adam state went into an SGD silently, and failed at its first step with
+# KeyError 'momentum'; a shape mismatch raised torch's RuntimeError)
+path = os.path.join(directory, "adam.pt")
+net = torch.nn.Linear(2, 2)
+torch_checkpoint.save_checkpoint(path, net, torch.optim.Adam(net.parameters()))
+for model_, optimizer_, words in ((net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+                                   "holds the state of optimizer class Adam; load_checkpoint was given class SGD"),
+                                  (torch.nn.Linear(3, 2), None, "its model state does not fit the model given")):
+    try:
+        torch_checkpoint.load_checkpoint(path, model_, optimizer_)
+    except checkpoint.CheckpointError as exc:
+        assert words in str(exc), exc
+    else:
+        raise AssertionError(f"a checkpoint that does not fit was loaded ({words})")
+assert hvddp.allreduce(np.ones(1), name="after.torch.load", op=hvddp.Sum)[0] == hvddp.size()
+
 sys.stdout.write(f"rank {rank}: CHECKPOINT OK\n")
 sys.stdout.flush()

@@ -118,6 +118,7 @@ def save_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Modu
             "format": FORMAT, "size": process_set.size(), "epoch": epoch, "step": step,
             "model": model.state_dict() if model is not None else None,
             "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "optimizer_class": type(optimizer).__name__ if optimizer is not None else None,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "extra": extra, "rng": rngs,
         }
@@ -169,16 +170,25 @@ def load_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Modu
     except Exception as exc:  # the same bytes on every rank: every rank fails alike
         raise _core.CheckpointError(f"checkpoint {os.fspath(path)!r} cannot be loaded: "
                                     f"{type(exc).__name__}: {exc}") from exc
-    for what, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):
-        if obj is None:
-            continue
+    given = [(what, obj) for what, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler))
+             if obj is not None]
+    for what, obj in given:  # before anything is loaded, so a refused file changes nothing
         if state[what] is None:
             raise _core.CheckpointError(f"checkpoint {os.fspath(path)!r} has no {what} state, but "
                                         f"load_checkpoint was given a {what}.")
-        if what == "model":
-            obj.load_state_dict(state[what], strict=strict)
-        else:
-            obj.load_state_dict(state[what])
+    saved_class = state.get("optimizer_class")  # (files from before it was saved have none)
+    if optimizer is not None and saved_class not in (None, type(optimizer).__name__):
+        raise _core.CheckpointError(f"checkpoint {os.fspath(path)!r} holds the state of optimizer class {saved_class}"
+                                    f"; load_checkpoint was given class {type(optimizer).__name__}.")
+    for what, obj in given:
+        try:
+            if what == "model":
+                obj.load_state_dict(state[what], strict=strict)
+            else:
+                obj.load_state_dict(state[what])
+        except (RuntimeError, KeyError, ValueError, TypeError) as exc:  # torch's own: every rank alike
+            raise _core.CheckpointError(f"checkpoint {os.fspath(path)!r}: its {what} state does not fit the "
+                                        f"{what} given ({type(exc).__name__}: {exc})") from exc
     if rng and state["rng"] is not None:
         if len(state["rng"]) == process_set.size():
             set_rng_state(state["rng"][process_set.rank()])
