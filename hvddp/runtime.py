@@ -161,6 +161,7 @@ class _State:
 
 _S: Optional[_State] = None
 _atexit_registered = False
+_singleton_cleanup = [False]  # the exit-time removal of Open MPI's singleton segment is registered
 
 
 def _state() -> _State:
@@ -290,6 +291,11 @@ def init(comm=None, process_sets: Union[None, str, Sequence[ProcessSet]] = None)
         from . import _faults
 
         _faults.install(world)  # one rank's uncaught exception ends the job, even without -m mpi4py
+        if world.Get_size() == 1 and not _singleton_cleanup[0]:
+            # Open MPI leaks a singleton's 16 MiB shared-memory segment: removed at exit also when
+            # init() raises (a bad HVDDP_* value) and shutdown() never runs
+            _singleton_cleanup[0] = True
+            atexit.register(_faults.remove_singleton_segments, MPI.Get_library_version())
         made = None  # a communicator made here from a list of ranks
         if comm is None:
             base = world
