@@ -59,17 +59,17 @@ _SETTINGS = {
 # too, under the same spellings, or unknown to it: its autotune, hierarchical and Gloo settings)
 _ELASTIC = "hvddp's elastic API runs at a fixed size: give -np"
 _SSH = "set it in ~/.ssh/config, which the MPI launcher's ssh reads"
+_NIC = 'the MPI library\'s own setting, e.g. --mpi-args="-iface eth0" (MPICH)'
 _HOROVODRUN_ONLY = {
     "--output-filename": 'the launcher\'s own option, e.g. --mpi-args="-outfile-pattern out.%r" (MPICH) '
                          'or --mpi-args="--output-filename DIR" (Open MPI)',
     "--gloo": "hvddp has no Gloo controller: it runs on MPI (hvddprun uses mpi4py's mpiexec)",
     "--jsrun": "start the ranks with jsrun yourself (python -m mpi4py train.py); hvddp finds its ranks through MPI",
     "--min-np": _ELASTIC, "--min-num-proc": _ELASTIC, "--max-np": _ELASTIC, "--max-num-proc": _ELASTIC,
-    "--slots-per-host": _ELASTIC, "--host-discovery-script": "hvddp's elastic API runs at a fixed size: "
-                                                            "give -H or --hostfile",
+    "--slots-per-host": _ELASTIC,
+    "--host-discovery-script": "hvddp's elastic API runs at a fixed size: give -H or --hostfile",
     "--ssh-port": _SSH, "-p": _SSH, "--ssh-identity-file": _SSH, "-i": _SSH,
-    "--network-interfaces": 'the MPI library\'s own setting, e.g. --mpi-args="-iface eth0" (MPICH)',
-    "--network-interface": 'the MPI library\'s own setting, e.g. --mpi-args="-iface eth0" (MPICH)',
+    "--network-interfaces": _NIC, "--network-interface": _NIC,
     "--tcp": "the MPI library's own setting, through --mpi-args",
     "--mpi-threads-disable": "hvddp needs MPI's thread support (its engine runs in a thread)",
     "--config-file": "pass the settings as options or HVDDP_* variables",
@@ -480,7 +480,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="file with one `host`, `host:N` or `host slots=N` per line")
     p.add_argument("--fusion-threshold-mb", type=float, metavar="MB", help="HVDDP_FUSION_THRESHOLD, in MiB")
     p.add_argument("--cycle-time-ms", type=float, metavar="MS", help="HVDDP_CYCLE_TIME")
-    p.add_argument("--cache-capacity", type=int, metavar="N", help="HVDDP_CACHE_CAPACITY (0 turns the response cache off)")
+    p.add_argument("--cache-capacity", type=int, metavar="N",
+                   help="HVDDP_CACHE_CAPACITY (0 turns the response cache off)")
     p.add_argument("--timeline-filename", metavar="FILE", help="HVDDP_TIMELINE: Chrome-trace file written by rank 0")
     p.add_argument("--timeline-mark-cycles", action="store_true", help="HVDDP_TIMELINE_MARK_CYCLES=1")
     p.add_argument("--stall-check-warning-time-seconds", type=float, metavar="S",

