@@ -206,3 +206,54 @@ def test_run_syncs_then_calls_once_and_raises_errors_as_they_are():
         train(object(), 1)
     assert issubclass(hvd.HostsUpdatedInterrupt, RuntimeError) and hvd.elastic.HostsUpdatedInterrupt is \
         hvd.HostsUpdatedInterrupt
+
+
+class _Counter:
+    """A kind of object TorchState knows nothing about."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def test_horovods_module_paths_and_a_handler_added_to_the_registry():
+    """Horovod's ``horovod.torch.elastic.state``/``.sampler`` import paths, and its registry: a
+    handler registered for a new type commits, restores and syncs values of that type."""
+    from hvddp.torch.elastic.sampler import ElasticSampler
+    from hvddp.torch.elastic.state import StateHandler, TorchState, get_handler_registry, set_handler_registry
+
+    assert TorchState is hvd.elastic.TorchState and ElasticSampler is hvd.elastic.ElasticSampler
+
+    class CounterHandler(StateHandler):
+        def __init__(self, counter):
+            super().__init__(counter)
+            self.saved = counter.value
+
+        def save(self):
+            self.saved = self.value.value
+
+        def restore(self):
+            self.value.value = self.saved
+
+        def sync(self):
+            self.value.value = hvd.broadcast_object(self.value.value, root_rank=0)
+
+    before = get_handler_registry()
+    set_handler_registry(before + [(_Counter, CounterHandler)])
+    try:
+        counter = _Counter(10 + RANK)
+        state = TorchState(counter=counter, epoch=0)
+        assert state._handlers["counter"].value is counter  # handled, not a plain attribute
+        state.sync()
+        assert counter.value == 10  # rank 0's, everywhere
+        counter.value = 11
+        state.commit()
+        counter.value = 99
+        state.restore()
+        assert counter.value == 11
+    finally:
+        set_handler_registry(before)
+    assert "counter" not in TorchState(counter=_Counter(1))._handlers  # registry back as it was
+    with pytest.raises(TypeError, match=r"\(type, StateHandler subclass\) pairs; received \(<class 'int'>, 3\)"):
+        set_handler_registry([(int, 3)])
+    with pytest.raises(NotImplementedError, match="Bare must define save"):
+        type("Bare", (StateHandler,), {})(1).save()
