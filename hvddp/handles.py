@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import threading
 import time
 from typing import Any, Callable, List, Optional
@@ -54,6 +55,9 @@ class Handle:
         """
         if not self._done:
             if timeout is not None:  # (Lock.acquire refuses more than TIMEOUT_MAX, math.inf say)
+                if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or timeout != timeout:
+                    raise ValueError(f"timeout must be a number of seconds or None; received "
+                                     f"{type(timeout).__name__} {timeout!r}")
                 timeout = min(max(timeout, 0), threading.TIMEOUT_MAX)
             if not self._gate.acquire(timeout=-1 if timeout is None else timeout):
                 raise TimeoutError(f"collective {self.name!r} did not complete within {timeout} s.")

@@ -167,8 +167,8 @@ _singleton_cleanup_registered = False  # the exit-time removal of Open MPI's sin
 def _state() -> _State:
     s = _S
     if s is None:
-        raise NotInitializedError("hvddp is not initialized: call hvddp.init() first (and not after "
-                                  "hvddp.shutdown()).")
+        raise NotInitializedError("hvddp is not initialized: call hvddp.init() first (after "
+                                  "hvddp.shutdown(), init() again).")
     return s
 
 

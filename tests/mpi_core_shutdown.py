@@ -16,11 +16,18 @@ if hvddp.rank() == 0:
         print("pending handle failed: ShutdownError", e, flush=True)
     try:
         hvddp.allreduce(np.ones(2), name="after")
-    except hvddp.ShutdownError:
-        pass
+    except hvddp.ShutdownError as e:  # named, and not said to have been pending
+        assert "allreduce 'after' was submitted after hvddp's engine stopped" in str(e), e
+        print("submission after shutdown: ShutdownError", flush=True)
     hvddp.shutdown()
 else:
     handle = hvddp.allreduce_async(np.ones(2), name="other")
+    for bad in (float("nan"), "5"):
+        try:
+            handle.wait(timeout=bad)
+        except ValueError as e:
+            assert "timeout must be a number of seconds or None" in str(e), e
+            print("bad timeout: ValueError", flush=True)
     time.sleep(0.3)
     hvddp.shutdown()
     try:

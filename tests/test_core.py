@@ -186,6 +186,8 @@ def test_shutdown_fails_pending_handles_on_every_rank():
     script = os.path.join(ROOT, "tests", "mpi_core_shutdown.py")
     out = run(2, [script], timeout=60).stdout
     assert out.count("pending handle failed: ShutdownError") == 2, out
+    assert out.count("submission after shutdown: ShutdownError") == 1, out
+    assert out.count("bad timeout: ValueError") == 2, out
     assert out.count("refusal before shutdown: MismatchError") == 2, out
     assert out.count("cycles ok") == 2, out
 
@@ -200,6 +202,8 @@ def test_stall_warning_then_error_on_every_rank():
     assert "stalled collectives" in out and "'step.7'" in out and "missing on ranks [1]" in out, out
     assert "'step.8'" in out and "missing on ranks [0]" in out, out
     assert "rank 0 StallError: " in out and "rank 1 StallError: " in out, out
+    fatal = next(line for line in out.splitlines() if "rank 1 StallError: " in line)
+    assert "allreduce 'warm' (waiting" in fatal and "'step.7'" in fatal, fatal  # the cached name too
 
 
 def test_timeline_is_valid_chrome_trace(tmp_path):

@@ -129,8 +129,11 @@ class Coordinator:
             log.warning("%s", self._stall_text(late, now, "stalled"))
         limit = cfg.stall_shutdown_time_s
         if limit > 0 and self._fatal is None:
-            dead = [(k, w) for k, w in self.table.items() if now - w.first_seen > limit]
-            if dead:
+            if any(now - w.first_seen > limit for w in self.table.values()):
+                # named with it: every name late enough to warn about (a name announced through the
+                # cache reaches this table only when demoted, up to seconds after its submission)
+                floor = min(limit, cfg.stall_check_time_s)
+                dead = [(k, w) for k, w in self.table.items() if now - w.first_seen > floor]
                 self._fatal = (self._stall_text(dead, now, "stalled") +
                                f" Shutting down after HVDDP_STALL_SHUTDOWN_TIME_SECONDS={limit:g}.")
 

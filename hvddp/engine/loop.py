@@ -107,7 +107,9 @@ class Engine:
         waits behind parked calls, so that they still meet the ranks that joined."""
         with self._lock:
             if self._error is not None:
-                raise type(self._error)(str(self._error))
+                request = entries[0].request
+                raise type(self._error)(f"{request.kind.value} {request.name!r} was submitted after hvddp's engine "
+                                        f"stopped, so it never runs: {self._error}")
             keys = [e.key for e in entries]
             for key in keys:
                 if key in self._names and not self._behind_refusals(key):
@@ -520,9 +522,9 @@ class Engine:
         who = self.comm.allgather(self._shutdown_requested)
         ranks = [r for r, flag in enumerate(who) if flag]
         self._stop_with(ShutdownError(
-            f"hvddp was shut down (shutdown() called on rank(s) {ranks}) while this collective "
-            f"was pending; it will never complete. Call shutdown() only after every rank has "
-            f"finished its collectives."))
+            f"hvddp was shut down (shutdown() called on rank(s) {ranks}); the collectives pending "
+            f"then never complete. Call shutdown() only after every rank has finished its "
+            f"collectives."))
 
     def _stop_with(self, error: HvddpError, taken: Sequence[Entry] = ()) -> None:
         if not isinstance(error, ShutdownError):
