@@ -96,6 +96,30 @@ for model_, optimizer_, words in ((net, torch.optim.SGD(net.parameters(), lr=0.1
         assert words in str(exc), exc
     else:
         raise AssertionError(f"a checkpoint that does not fit was loaded ({words})")
+# a shape mismatch after entries that fit, or an optimizer of other groups: refused before
+# anything is copied (torch copied the entries before the mismatch, then raised)
+path = os.path.join(directory, "two.pt")
+two = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 2))
+torch_checkpoint.save_checkpoint(path, two, torch.optim.SGD(two.parameters(), lr=0.1))
+other = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 4))
+fits = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 2))
+two_groups = torch.optim.SGD([{"params": list(fits[0].parameters())}, {"params": list(fits[1].parameters())}], lr=0.1)
+for model_, optimizer_, words in ((other, None, "shapes differ: 1.weight: saved (2, 3), model (4, 3); "
+                                                "1.bias: saved (2,), model (4,)); nothing was loaded"),
+                                  (fits, two_groups, "parameters per group: saved [4], optimizer [2, 2]")):
+    before = {k: v.clone() for k, v in model_.state_dict().items()}
+    try:
+        torch_checkpoint.load_checkpoint(path, model_, optimizer_)
+    except checkpoint.CheckpointError as exc:
+        assert words in str(exc), exc
+    else:
+        raise AssertionError(f"a checkpoint that does not fit was loaded ({words})")
+    for key, value in model_.state_dict().items():
+        assert torch.equal(value, before[key]), f"{key} was loaded from a refused checkpoint"
+lazy = torch.nn.Sequential(torch.nn.LazyLinear(3), torch.nn.Linear(3, 2))  # takes the saved shapes
+torch_checkpoint.load_checkpoint(path, lazy)
+saved = hvddp.broadcast(two[0].weight.detach().numpy(), 0, name="saved.lazy")  # (rank 0's was saved)
+assert np.array_equal(lazy[0].weight.detach().numpy(), saved)
 assert hvddp.allreduce(np.ones(1), name="after.torch.load", op=hvddp.Sum)[0] == hvddp.size()
 
 sys.stdout.write(f"rank {rank}: CHECKPOINT OK\n")

@@ -40,6 +40,7 @@ from typing import Any, Dict, Optional, Union
 
 import numpy as np
 import torch
+from torch.nn.parameter import is_lazy
 
 import hvddp
 from hvddp import checkpoint as _core
@@ -180,6 +181,10 @@ def load_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Modu
     if optimizer is not None and saved_class not in (None, type(optimizer).__name__):
         raise _core.CheckpointError(f"checkpoint {os.fspath(path)!r} holds the state of optimizer class {saved_class}"
                                     f"; load_checkpoint was given class {type(optimizer).__name__}.")
+    if model is not None:
+        _check_model_fits(path, model, state["model"])
+    if optimizer is not None:
+        _check_optimizer_fits(path, optimizer, state["optimizer"])
     for what, obj in given:
         try:
             if what == "model":
@@ -197,3 +202,37 @@ def load_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Modu
                         "restored, so random draws will differ from the saving job's.",
                         os.fspath(path), len(state["rng"]), process_set.size())
     return {"epoch": state["epoch"], "step": state["step"], "extra": state["extra"]}
+
+
+def _check_model_fits(path: Any, model: torch.nn.Module, saved: Any) -> None:
+    """Refuse a saved model state whose tensors have other shapes than the model's, before any
+    is copied: torch's ``load_state_dict`` finds it only after copying the entries before it.
+    Lazy (not yet materialized) entries take any shape, as torch lets them."""
+    if not isinstance(saved, dict):
+        return  # (load_state_dict says what is wrong with it)
+    current = model.state_dict()
+    wrong = []
+    for key, value in saved.items():
+        here = current.get(key)
+        if not isinstance(value, torch.Tensor) or not isinstance(here, torch.Tensor) or is_lazy(here):
+            continue
+        if value.shape != here.shape:
+            wrong.append(f"{key}: saved {tuple(value.shape)}, model {tuple(here.shape)}")
+    if wrong:
+        raise _core.CheckpointError(f"checkpoint {os.fspath(path)!r}: its model state does not fit the model "
+                                    f"given (shapes differ: {'; '.join(wrong[:5])}"
+                                    f"{f'; and {len(wrong) - 5} more' if len(wrong) > 5 else ''}); nothing was loaded.")
+
+
+def _check_optimizer_fits(path: Any, optimizer: torch.optim.Optimizer, saved: Any) -> None:
+    """Refuse a saved optimizer state of other parameter groups before the model is loaded (torch
+    checks it too, but only once the model has been)."""
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, list):
+        return
+    mine = [len(g["params"]) for g in optimizer.param_groups]
+    theirs = [len(g.get("params", ())) if isinstance(g, dict) else None for g in groups]
+    if mine != theirs:
+        raise _core.CheckpointError(f"checkpoint {os.fspath(path)!r}: its optimizer state does not fit the "
+                                    f"optimizer given (parameters per group: saved {theirs}, optimizer {mine}); "
+                                    f"nothing was loaded.")
