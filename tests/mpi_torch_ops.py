@@ -208,6 +208,19 @@ def test_sparse_allreduce():
         assert torch.allclose(hvd.synchronize(h).to_dense(), expected)
 
 
+def test_sparse_allreduce_of_other_shapes_raises_on_every_rank():
+    """Rank 0's tensor is (3,), the others' (11,) with an entry at 10: every rank raises (rank 0
+    got a (3,) tensor holding index 10, built without checks)."""
+    if N == 1:
+        pytest.skip("needs two ranks")
+    length = 3 if R == 0 else 11
+    t = torch.sparse_coo_tensor(torch.tensor([[min(R * 10, length - 1)]]), torch.ones(1), (length,))
+    with pytest.raises(hvd.MismatchError, match=r"sparse_allreduce_async 'sparse.shapes'.*different shapes \("
+                       + (r"1 of" if R == 0 else f"{N - 1} of") + f" {N} ranks have this rank's \\({length},\\)"):
+        hvd.synchronize(hvd.sparse_allreduce_async(t, name="sparse.shapes", op=hvd.Sum))
+    assert hvd.allgather_object("after") == ["after"] * N
+
+
 def test_objects_barrier_join():
     assert hvd.broadcast_object({"r": R, "t": torch.arange(3) + R}, root_rank=N - 1)["r"] == N - 1
     gathered = hvd.allgather_object(("rank", R))

@@ -49,6 +49,7 @@ def shard(t: torch.Tensor, s: int = R) -> torch.Tensor:
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
     "adam": lambda params: torch.optim.Adam(params, lr=0.01),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.5),
 }
 
 
@@ -126,11 +127,15 @@ def test_parity_backward_passes_per_step_2(kind):
     assert_replicas_identical(model, f"bpps.{kind}")
 
 
-@pytest.mark.parametrize("kind", ["sgd", "adam"])
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
 def test_parity_unused_and_rank_dependent_parameters(kind):
+    """A parameter no rank has a gradient for keeps a None gradient, so the update leaves it
+    alone as one process does (its zeros made AdamW's weight decay shrink it); one only the
+    first shard uses is averaged with the others' zeros."""
     model, ref = train_pair(kind, extra=True)
     assert_parity(model, ref)
     assert torch.equal(model.unused.weight, ref.unused.weight)
+    assert model.unused.weight.grad is None and model.branch.weight.grad is not None
     assert not torch.equal(model.branch.weight, Net(extra=True).branch.weight) or N == 1
     assert_replicas_identical(model, f"unused.{kind}")
 
@@ -286,6 +291,47 @@ def test_sparse_parameter_without_a_gradient_on_some_ranks(groups):
         opt.step()
         assert_parity(model, ref)
     assert_replicas_identical(model, f"sparse.partial.{groups}")
+
+
+def test_sparse_adam_trains_an_embedding_no_rank_looked_up_in_the_first_step():
+    """No rank looks the embedding up in step 0: its gradient stays None, as in one process
+    (its reduced zeros were dense, and SparseAdam refused them on every rank); later steps match
+    one process."""
+    torch.manual_seed(0)
+    ref = torch.nn.Embedding(6, 2, sparse=True)
+    model = copy.deepcopy(ref)
+    other = torch.nn.Parameter(torch.ones(2))
+    ref_other = torch.nn.Parameter(torch.ones(2))
+    ref_opt = [torch.optim.SparseAdam(ref.parameters(), lr=0.1), torch.optim.SGD([ref_other], lr=0.1)]
+    sparse_opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(model.parameters(), lr=0.1),
+                                          named_parameters=[("first.emb", model.weight)])
+    dense_opt = hvd.DistributedOptimizer(torch.optim.SGD([other], lr=0.1), named_parameters=[("first.other", other)])
+    for step in range(3):
+        for o in ref_opt + [sparse_opt, dense_opt]:
+            o.zero_grad()
+        ids = [torch.tensor([(step + s) % 6]) for s in range(N)]
+        loss = sum(ref_other.sum() + (ref(ids[s]).sum() if step else 0) for s in range(N)) / N
+        loss.backward()
+        (other.sum() + (model(ids[R]).sum() if step else 0)).backward()
+        for o in ref_opt + [sparse_opt, dense_opt]:
+            o.step()
+        assert torch.allclose(model.weight, ref.weight, rtol=1e-5, atol=1e-6), step
+    assert_replicas_identical(model, "sparse.adam.first")
+
+
+def test_sparse_gradients_of_embeddings_of_other_sizes_raise_on_every_rank():
+    """An embedding of 5 rows on rank 0, 12 elsewhere (a model that differs by rank; no
+    broadcast_parameters): the step raises on every rank, not a gradient holding row 11 in a
+    5-row tensor built without checks."""
+    if N == 1:
+        pytest.skip("needs two ranks")
+    emb = torch.nn.Embedding(5 if R == 0 else 12, 2, sparse=True)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1),
+                                   named_parameters=[("emb.size", emb.weight)])
+    emb(torch.tensor([0 if R == 0 else 11])).sum().backward()
+    with pytest.raises(hvd.MismatchError, match=r"the sparse gradient 'grad\d*.emb.size'.*different shapes"):
+        opt.step()
+    assert hvd.allgather_object("after") == ["after"] * N
 
 
 # behaviour -------------------------------------------------------------------------------------

@@ -51,7 +51,12 @@ def test_import_hvddp_does_not_import_torch():
     code = ("import sys, hvddp; assert 'torch' not in sys.modules, 'hvddp imported torch'; "
             "import hvddp.torch as hvd; assert 'torch' in sys.modules; "
             "assert hvd.allreduce.__module__ == 'hvddp.torch.mpi_ops'; "
-            "missing = [n for n in hvd.__all__ if not hasattr(hvd, n)]; assert not missing, missing")
+            "missing = [n for n in hvd.__all__ if not hasattr(hvd, n)]; assert not missing, missing; "
+            # what Horovod scripts import from its submodules
+            "from hvddp.torch.mpi_ops import init, rank, size, Adasum, Compression, HorovodInternalError; "
+            "from hvddp.torch.elastic import init, shutdown, TorchState, ElasticSampler; "
+            "import hvddp.torch.mpi_ops as m; missing = [n for n in m.__all__ if not hasattr(m, n)]; "
+            "assert not missing, missing; assert HorovodInternalError is hvd.HorovodInternalError")
     _python(["-c", code])
 
 

@@ -33,7 +33,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .compression import Compression, Compressor
 from .elastic import HostsUpdatedInterrupt
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
-from .mpi_ops import (Handle, allgather, allgather_async, allreduce, allreduce_, allreduce_async,
+from .mpi_ops import (Handle, HorovodInternalError, allgather, allgather_async, allreduce, allreduce_, allreduce_async,
                       allreduce_async_, alltoall, alltoall_async, barrier, broadcast, broadcast_,
                       broadcast_async, broadcast_async_, grouped_allgather, grouped_allgather_async,
                       grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
@@ -42,9 +42,6 @@ from .mpi_ops import (Handle, allgather, allgather_async, allreduce, allreduce_,
                       synchronize)
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
-
-# Horovod's torch package raises this name for every failed collective; scripts catch it by it
-HorovodInternalError = HvddpError
 
 
 __all__ = [

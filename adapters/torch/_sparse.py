@@ -6,6 +6,11 @@ indices (int64) followed by its values. One collective under the parameter's red
 parameter this step, and so submits dense zeros by allreduce under that name, meets the sparse
 ranks' allgather in a ``MismatchError`` on every rank instead of a stall; the optimizer then
 knows the parameter is sparse and resubmits as ``sparse_rows_async(None, ...)`` (no rows).
+
+Each rank also sends one row whose indices are its tensor's sparse shape (``with_shape_row``):
+entries are below the shape, so every rank finds the ranks' shape rows among what it gathered
+and, when some rank's shape differs, raises on every rank (an index past the shape would
+otherwise land in a sparse tensor built without checks).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Optional
 import torch
 
 import hvddp
-from hvddp import Average, ProcessSet, ReduceOp
+from hvddp import Average, MismatchError, ProcessSet, ReduceOp
 
 from ._convert import Handle, as_numpy, as_tensor
 
@@ -39,6 +44,7 @@ def sparse_rows_async(grad: Optional[torch.Tensor], param: torch.Tensor, name: s
         sparse_dim = grad.sparse_dim()
         indices = _fresh(grad.indices().t())
         values = _fresh(grad.values())
+    indices, values = with_shape_row(indices, values, param.shape)
     nnz = indices.shape[0]
     dense = tuple(values.shape[1:])
     value_bytes = math.prod(dense) * values.element_size()
@@ -53,12 +59,39 @@ def sparse_rows_async(grad: Optional[torch.Tensor], param: torch.Tensor, name: s
         total = gathered.shape[0]
         all_indices = _fresh(gathered[:, :sparse_dim * 8]).view(torch.int64)
         all_values = _fresh(gathered[:, sparse_dim * 8:]).view(values.dtype).reshape((total,) + dense)
+        all_indices, all_values = without_shape_rows(all_indices, all_values, param.shape, size,
+                                                     f"the sparse gradient {name!r}")
         if op == Average:
             all_values = all_values / size
         out = torch.sparse_coo_tensor(all_indices.t(), all_values, param.shape, check_invariants=False)
         return out.to(param.device)  # staged through host memory; the gradient lives with the parameter
 
     return Handle(name, [core], finish)
+
+
+def with_shape_row(indices: torch.Tensor, values: torch.Tensor, shape: torch.Size):
+    """``indices`` (nnz, sparse_dim) and ``values`` with a first row holding the sparse shape
+    (values zero)."""
+    sparse_dim = indices.shape[1]
+    row = torch.tensor([list(shape[:sparse_dim])], dtype=torch.int64)
+    return (torch.cat([row, indices]),
+            torch.cat([torch.zeros((1,) + tuple(values.shape[1:]), dtype=values.dtype), values]))
+
+
+def without_shape_rows(indices: torch.Tensor, values: torch.Tensor, shape: torch.Size, size: int, what: str):
+    """Every rank's entries gathered with ``with_shape_row``, the shape rows taken out; a
+    ``MismatchError`` (on every rank: each finds fewer than ``size`` rows of its own shape, or an
+    entry past it) when the ranks' shapes differ."""
+    bound = torch.tensor(list(shape[:indices.shape[1]]), dtype=torch.int64)
+    is_shape = (indices == bound).all(dim=1)
+    found = int(is_shape.sum())
+    if found != size or bool((indices >= bound).any(dim=1).logical_and_(~is_shape).any()):
+        raise MismatchError(f"{what}: the ranks' tensors have different shapes ({found} of {size} ranks "
+                            f"have this rank's {tuple(shape)}); every rank must reduce a tensor of the "
+                            f"same shape (for a model's gradients: the same model on every rank, as "
+                            f"broadcast_parameters checks).")
+    keep = ~is_shape
+    return indices[keep], values[keep]
 
 
 def _fresh(t: torch.Tensor) -> torch.Tensor:

@@ -29,10 +29,16 @@ import torch
 
 import hvddp
 from hvddp import Average, ProcessSet, ReduceOp, Sum, global_process_set
+# the runtime names Horovod's horovod.torch.mpi_ops has too, for scripts that import them from there
+from hvddp import (Adasum, HvddpError, Max, Min, Product, add_process_set, ccl_built, cross_rank, cross_size,
+                   cuda_built, ddl_built, gloo_built, gloo_enabled, init, is_homogeneous, is_initialized,
+                   local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
+                   remove_process_set, rocm_built, shutdown, size, start_timeline, stop_timeline)
 
 from hvddp.ops import Refusal, announce_refusal
 
 from ._convert import Handle, TensorArgumentError, as_tensor, check_tensor, source, target
+from ._sparse import with_shape_row, without_shape_rows
 from .compression import Compression, Compressor
 
 __all__ = [
@@ -42,7 +48,16 @@ __all__ = [
     "grouped_allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "alltoall", "alltoall_async", "reducescatter", "reducescatter_async", "grouped_reducescatter",
     "grouped_reducescatter_async", "poll", "synchronize", "join", "barrier",
+    # as in Horovod's module
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
+    "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_built", "mpi_enabled", "nccl_built",
+    "cuda_built", "gloo_built", "gloo_enabled", "ccl_built", "ddl_built", "rocm_built", "start_timeline",
+    "stop_timeline", "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "Average",
+    "Sum", "Min", "Max", "Product", "Adasum", "Compression", "HorovodInternalError",
 ]
+
+# Horovod's torch package raises this name for every failed collective; scripts catch it by it
+HorovodInternalError = HvddpError
 
 
 def _grad_name(name: Optional[str]) -> Optional[str]:
@@ -316,8 +331,8 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: ReduceOp = Avera
             raise ValueError(f"sparse_allreduce_async: op must be Average or Sum, got {op!r}.")
         op = ReduceOp(op)
         t = tensor.coalesce() if not tensor.is_coalesced() else tensor
-        indices = t.indices().t().contiguous()
         values = check_tensor(t.values().contiguous(), "sparse_allreduce_async", "tensor values")
+        indices, values = with_shape_row(t.indices().t(), values, tensor.shape)
     except Exception as exc:  # announced under both names, so ranks that made the call fail too
         for part in ("values", "indices"):
             try:
@@ -332,6 +347,8 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: ReduceOp = Avera
     def finish(results):
         values_all = as_tensor(results[0], tensor)
         indices_all = as_tensor(results[1], tensor)
+        indices_all, values_all = without_shape_rows(indices_all, values_all, tensor.shape, n,
+                                                     f"sparse_allreduce_async {name!r}")
         if op == Average:
             values_all = values_all / n
         return torch.sparse_coo_tensor(indices_all.t(), values_all, tensor.shape, check_invariants=False)

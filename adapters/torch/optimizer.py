@@ -28,6 +28,7 @@ import warnings
 import weakref
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 import hvddp
@@ -192,6 +193,7 @@ class _DistributedOptimizer(WrapperCommon):
         self._hvddp_sparse_as_dense = bool(sparse_as_dense)
         self._hvddp_sparse_params = set()  # known to get sparse gradients (here or on a peer)
         self._hvddp_zero_filled = set()  # submitted as dense zeros this step, on their own
+        self._hvddp_filled = set()  # without a gradient here this step (zeros, or no sparse rows)
         self._hvddp_process_set = process_set
         seen = set()
         self._hvddp_params = []  # parameters that get reduced, in a fixed order
@@ -306,6 +308,8 @@ class _DistributedOptimizer(WrapperCommon):
             # apart, the group would hold it on some ranks and not on others.
             sparse = gi is None and not self._hvddp_sparse_as_dense and (
                 grad.layout != torch.strided if grad is not None else p in self._hvddp_sparse_params)
+            if grad is None:
+                self._hvddp_filled.add(p)
             if sparse:  # by allgather, one per parameter, under its own name
                 self._hvddp_sparse_params.add(p)
                 self._hvddp_flights.append(self._hvddp_sparse_flight(p, grad))
@@ -406,6 +410,13 @@ class _DistributedOptimizer(WrapperCommon):
         for p in self._hvddp_params:
             if p not in self._hvddp_submitted and p not in self._hvddp_group_of and p not in idle:
                 self._hvddp_submit_one(p)
+        # which parameters some rank had a gradient for: one that no rank had goes back to None
+        # after its zeros are reduced, so the update skips it as in one process (zeros would
+        # still move it through momentum or weight decay, and SparseAdam refuses them)
+        params, filled = self._hvddp_params, self._hvddp_filled
+        had = np.fromiter((p not in filled for p in params), dtype=np.uint8, count=len(params))
+        had_handle = hvddp.allreduce_async_(had, None, self._hvddp_prefix[:-1] + ":had", hvddp.Max,
+                                            process_set=self._hvddp_process_set)
         flights, self._hvddp_flights = self._hvddp_flights, []
         errors, retries = [], []
         for flight in flights:
@@ -424,6 +435,16 @@ class _DistributedOptimizer(WrapperCommon):
                 flight.finish(self._hvddp_compression)
             except Exception as exc:
                 errors.append(exc)
+        try:
+            hvddp.synchronize(had_handle)
+        except Exception as exc:
+            errors.append(exc)
+        else:
+            if filled and not errors:
+                for p, anyone in zip(params, had):
+                    if not anyone and p in filled:
+                        p.grad = None
+        self._hvddp_filled = set()
         self._hvddp_zero_filled.clear()
         for p in self._hvddp_touched:
             self._hvddp_delay[p] = self._hvddp_bpps

@@ -11,9 +11,10 @@ Horovod's module names too (``hvddp.torch.elastic.state``, ``hvddp.torch.elastic
   recorded as processed this epoch (a count, the same on every rank).
 """
 
+from hvddp import init, shutdown  # (Horovod's module has them)
 from hvddp.elastic import HostsUpdatedInterrupt, ObjectState, State, run
 
 from .sampler import ElasticSampler
 from .state import TorchState
 
-__all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler", "HostsUpdatedInterrupt"]
+__all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler", "HostsUpdatedInterrupt", "init", "shutdown"]
