@@ -83,18 +83,20 @@ def reduce_group(arrays: Sequence[np.ndarray], base: str, labels: Sequence[str],
     lists would leave each rank waiting on a name the others never submit.
 
     The last ``counts`` members are bookkeeping (which ranks have each gradient, whether local
-    gradients are finite), read as shares or as "some rank set it". They travel in the group,
-    except with ``op=Adasum``, whose result is no share: then they go uncompressed in a second
-    group, ``<base>.counts``, summed, submitted before waiting on either.
+    gradients are finite), read as shares or as "some rank set it". They travel uncompressed (a
+    compressor of your own may be lossy) in the group, except with ``op=Adasum``, whose result is
+    no share: then they go in a second group, ``<base>.counts``, summed, submitted before waiting
+    on either.
 
     Raises:
         hvddp.HvddpError: the reduction failed; a mismatch names the variables that differ.
     """
     arrays = [np.asarray(a) for a in arrays]
     split = len(arrays) - counts if op is hvddp.Adasum and counts else len(arrays)
+    members = len(arrays) - counts
     compressed, ctxs = [], []
     for a in arrays[:split]:
-        c, ctx = compression.compress(a)
+        c, ctx = compression.compress(a) if len(compressed) < members else (a, None)
         compressed.append(c)
         ctxs.append(ctx)
     handles = [hvddp.grouped_allreduce_async(compressed, name=base, op=op, prescale_factor=prescale_factor,
@@ -125,8 +127,8 @@ def reduce_group(arrays: Sequence[np.ndarray], base: str, labels: Sequence[str],
         except hvddp.MismatchError as detail:
             message = f"{detail} ({message})"
         raise hvddp.MismatchError(message) from None
-    out = [np.asarray(compression.decompress(r, ctx), dtype=a.dtype)
-           for r, ctx, a in zip(results[0], ctxs, arrays)]
+    out = [np.asarray(compression.decompress(r, ctx) if i < members else r, dtype=a.dtype)
+           for i, (r, ctx, a) in enumerate(zip(results[0], ctxs, arrays))]
     if split < len(arrays):
         out += [np.asarray(r, dtype=a.dtype) for r, a in zip(results[1], arrays[split:])]
     return out

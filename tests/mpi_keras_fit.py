@@ -357,6 +357,18 @@ def test_best_model_checkpoint_saves_improvements_on_rank_0():
         for mine, best in zip(saved, kept[1]):  # epoch 1's, not the last one's
             np.testing.assert_array_equal(mine, best)
         assert not np.array_equal(saved[0], kept[2][0])
+    # Horovod's positional order (monitor, verbose, save_weights_only, mode): the weights alone
+    weights = os.path.join(directory, f"best{RANK}.weights.h5")
+    losses = iter([3.0, 1.0, 2.0])
+    model.fit(x, y, batch_size=4, epochs=3, verbose=0,
+              callbacks=[Loss(), hvd.callbacks.MetricAverageCallback(), Keep(),
+                         hvd.callbacks.BestModelCheckpoint("made_up", 0, True, "min", filepath=weights)])
+    hvd.barrier()
+    assert sorted(os.listdir(directory)) == ["best0.keras", "best0.weights.h5"]
+    if RANK == 0:
+        model.load_weights(weights)
+        for mine, best in zip(model.get_weights(), kept[1]):
+            np.testing.assert_array_equal(mine, best)
 
 
 def _linear_model():

@@ -207,6 +207,52 @@ def test_compression_and_predivide():
     np.testing.assert_allclose(tape.gradient(loss, [v])[0].numpy(), mean, rtol=1e-6)
 
 
+class _HalfAndCount:
+    """A compressor of one's own, written with TensorFlow ops as Horovod's are; it counts its calls."""
+
+    calls = 0
+
+    @classmethod
+    def compress(cls, tensor):
+        cls.calls += 1
+        assert isinstance(tensor, tf.Tensor), type(tensor)  # (numpy arrays reached it)
+        return (tf.cast(tensor, tf.float16), tensor.dtype) if tensor.dtype.is_floating else (tensor, None)
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor if ctx is None else tf.cast(tensor, ctx)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_compressors_take_tensorflow_tensors(mode):
+    """Horovod's compressors work on tf.Tensors: the built-in ones called directly, and one of your
+    own given to allreduce, reducescatter and the tape (it was handed numpy arrays, and failed)."""
+    half, dtype = hvd.Compression.fp16.compress(tf.ones([2]))
+    assert half.dtype == tf.float16 and dtype == tf.float32
+    assert hvd.Compression.fp16.decompress(half, dtype).dtype == tf.float32
+    assert hvd.compression.Compression is hvd.Compression and issubclass(_HalfAndCount, object)
+    x = tf.constant([1.0, 3.0, 5.0, 7.0, 9.0, 11.0]) * (RANK + 1)
+    v = tf.Variable(tf.ones(6))
+    _HalfAndCount.calls = 0
+
+    def run():
+        out = hvd.allreduce(x, compression=_HalfAndCount, name=f"t.own.{mode}", op=hvd.Sum)
+        part = hvd.reducescatter(x, compression=_HalfAndCount, name=f"t.own.rs.{mode}", op=hvd.Sum)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(v * x)
+        grad = hvd.DistributedGradientTape(tape, compression=_HalfAndCount).gradient(loss, [v])[0]
+        return out, part, grad
+
+    out, part, grad = tf.function(run)() if mode == "function" else run()
+    total = np.array([1.0, 3.0, 5.0, 7.0, 9.0, 11.0]) * SIZE * (SIZE + 1) / 2
+    np.testing.assert_allclose(out.numpy(), total, rtol=1e-3)
+    assert out.dtype == tf.float32
+    rows = np.array_split(np.arange(6), SIZE)[RANK]
+    np.testing.assert_allclose(part.numpy(), total[rows], rtol=1e-3)
+    np.testing.assert_allclose(grad.numpy(), total / SIZE, rtol=1e-3)
+    assert _HalfAndCount.calls >= 3
+
+
 def _mlp(seed):
     rng = np.random.default_rng(seed)
     return [tf.Variable(rng.normal(size=(5, 8)).astype("float32"), name="w1"),

@@ -294,21 +294,23 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
 
 class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
-    """Horovod's: ``keras.callbacks.ModelCheckpoint`` that saves the whole model each time
-    ``monitor`` improves (``save_best_only=True``), written by rank 0 only.
+    """Horovod's: ``keras.callbacks.ModelCheckpoint`` that saves the model (or, with
+    ``save_weights_only``, its weights) each time ``monitor`` improves (``save_best_only=True``),
+    written by rank 0 only.
 
     Horovod's leaves ``filepath`` to its Spark estimator and passes None, which Keras 3
-    refuses; here it is a keyword after Horovod's arguments (a ``.keras`` file). Put a
+    refuses; here it is a keyword after Horovod's arguments (a ``.keras`` file, or a
+    ``.weights.h5`` one with ``save_weights_only=True``, as Keras 3 asks). Put a
     ``MetricAverageCallback`` before it so that the monitored value is the ranks' average.
     """
 
-    def __init__(self, monitor: str = "val_loss", verbose: int = 0, mode: str = "auto", save_freq: Any = "epoch",
-                 *, filepath: Optional[str] = None):
+    def __init__(self, monitor: str = "val_loss", verbose: int = 0, save_weights_only: bool = False,
+                 mode: str = "auto", save_freq: Any = "epoch", *, filepath: Optional[str] = None):
         if filepath is None:
             raise ValueError("BestModelCheckpoint needs filepath='best.keras' (Horovod's gets one from its Spark "
                              "estimator); Received: filepath=None.")
         super().__init__(filepath, monitor=monitor, verbose=verbose, save_best_only=True,
-                         save_weights_only=False, mode=mode, save_freq=save_freq)
+                         save_weights_only=save_weights_only, mode=mode, save_freq=save_freq)
 
     def on_train_batch_end(self, batch, logs=None):
         if hvddp.rank() == 0:

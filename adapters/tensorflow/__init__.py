@@ -22,7 +22,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("hvddp.tensorflow needs TensorFlow: pip install 'tensorflow-cpu>=2.16' "
                       "(or tensorflow).") from exc
 
-from hvddp import (Adasum, Average, BackendUnavailableError, Compression, HvddpError, LauncherMismatchError,
+from hvddp import (Adasum, Average, BackendUnavailableError, HvddpError, LauncherMismatchError,
                    Max, Min,
                    MismatchError, NotInitializedError, ProcessSet, Product, ShutdownError, StallError, Sum,
                    add_process_set, barrier, ccl_built, cross_rank,
@@ -31,7 +31,8 @@ from hvddp import (Adasum, Average, BackendUnavailableError, Compression, HvddpE
                    mpi_threads_supported, nccl_built, rank, remove_process_set, rocm_built, shutdown, size,
                    start_timeline, stop_timeline)
 
-from . import elastic
+from . import compression, elastic
+from .compression import Compression, Compressor
 from .elastic import HostsUpdatedInterrupt
 from .functions import (DistributedOptimizer, allgather_object, broadcast_, broadcast_global_variables,
                         broadcast_object, broadcast_object_fn, broadcast_variables, local_rank_op, local_size_op,
@@ -49,7 +50,7 @@ __all__ = [
     "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_built", "mpi_enabled", "nccl_built",
     "cuda_built", "gloo_built", "gloo_enabled", "ccl_built", "ddl_built", "rocm_built",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-    "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression",
+    "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression", "Compressor",
     "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "alltoall", "reducescatter",
     "grouped_reducescatter", "size_op", "rank_op", "local_size_op", "local_rank_op", "process_set_included_op",
     "barrier", "join", "broadcast_object", "broadcast_object_fn", "allgather_object",
@@ -57,5 +58,5 @@ __all__ = [
     "broadcast_", "broadcast_variables", "broadcast_global_variables",
     "HvddpError", "NotInitializedError", "BackendUnavailableError", "MismatchError", "ShutdownError",
     "StallError", "LauncherMismatchError", "start_timeline", "stop_timeline", "elastic", "HostsUpdatedInterrupt",
-    "HorovodInternalError",
+    "HorovodInternalError", "compression",
 ]

@@ -33,6 +33,8 @@ from hvddp import Compression, ProcessSet, global_process_set
 
 from hvddp import _grouping
 
+from .compression import numpy_side
+
 __all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "alltoall",
            "reducescatter", "grouped_reducescatter", "join"]
 
@@ -120,6 +122,8 @@ def _outputs(outs) -> List[tf.Tensor]:
 # allreduce --------------------------------------------------------------------------------
 def _allreduce_raw(tensor: tf.Tensor, name: str, op, pre: float, post: float, compression,
                    process_set: ProcessSet) -> tf.Tensor:
+    compression = numpy_side(compression)
+
     def body(x):
         c, ctx = compression.compress(np.asarray(x))
         out = hvddp.allreduce(c, name=name, op=op, prescale_factor=pre, postscale_factor=post,
@@ -190,6 +194,8 @@ def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "
 
 def _grouped_raw(tensors: List[tf.Tensor], base: str, labels: Sequence[str], op, pre, post, compression,
                  process_set, counts: int = 0) -> List[tf.Tensor]:
+    compression = numpy_side(compression)
+
     def body(*xs):
         return _grouping.reduce_group(xs, base, labels, op, pre, post, compression, process_set, counts)
 
@@ -455,7 +461,7 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
     name = _name(name, "reducescatter", process_set)
     with _announcing(hvddp.reducescatter, name, process_set):
         op = _grouping.check_op(op, None, "reducescatter")
-        _grouping.check_compression(compression, "reducescatter")
+        compression = numpy_side(_grouping.check_compression(compression, "reducescatter"))
         tensor = _dense(tensor, "reducescatter")
         if tensor.shape.rank == 0:
             raise ValueError("reducescatter: tensor is 0-d; pass at least a 1-d tensor.")
@@ -562,7 +568,7 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compre
     name = _name(name, "grouped_reducescatter", process_set)
     with _announcing(hvddp.grouped_reducescatter, name, process_set, tensors):
         op = _grouping.check_op(op, None, "grouped_reducescatter")
-        _grouping.check_compression(compression, "grouped_reducescatter")
+        compression = numpy_side(_grouping.check_compression(compression, "grouped_reducescatter"))
         tensors = [_dense(t, "grouped_reducescatter") for t in tensors]
         _check_group_inputs(tensors, "grouped_reducescatter")
     if not tensors:  # (an empty iterable)
