@@ -58,7 +58,7 @@ class Handle:
                 if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or timeout != timeout:
                     raise ValueError(f"timeout must be a number of seconds or None; received "
                                      f"{type(timeout).__name__} {timeout!r}")
-                timeout = min(max(timeout, 0), threading.TIMEOUT_MAX)
+                timeout = min(max(float(timeout), 0.0), threading.TIMEOUT_MAX)
             if not self._gate.acquire(timeout=-1 if timeout is None else timeout):
                 raise TimeoutError(f"collective {self.name!r} did not complete within {timeout} s.")
             self._gate.release()  # let other waiters through

@@ -22,6 +22,10 @@ if hvddp.rank() == 0:
     hvddp.shutdown()
 else:
     handle = hvddp.allreduce_async(np.ones(2), name="other")
+    try:  # a numpy number is a number of seconds too
+        handle.wait(timeout=np.float32(0.01))
+    except TimeoutError:
+        print("numpy timeout: TimeoutError", flush=True)
     for bad in (float("nan"), "5"):
         try:
             handle.wait(timeout=bad)

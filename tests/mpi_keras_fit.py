@@ -369,6 +369,11 @@ def test_best_model_checkpoint_saves_improvements_on_rank_0():
         model.load_weights(weights)
         for mine, best in zip(model.get_weights(), kept[1]):
             np.testing.assert_array_equal(mine, best)
+    # horovod.keras's order (monitor, verbose, mode, save_freq): a string third is the mode
+    other = hvd.callbacks.BestModelCheckpoint("acc", 0, "max", "epoch", filepath=path)
+    assert (other.save_weights_only, other.mode, other.save_freq) == (False, "max", "epoch")
+    with pytest.raises(TypeError, match="save_weights_only must be True or False; Received: int 1"):
+        hvd.callbacks.BestModelCheckpoint("acc", 0, 1, filepath=path)
 
 
 def _linear_model():

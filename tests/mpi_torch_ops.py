@@ -206,6 +206,10 @@ def test_sparse_allreduce():
     assert first.name != second.name
     for h in (first, second):
         assert torch.allclose(hvd.synchronize(h).to_dense(), expected)
+    # no sparse dimensions (all dense ones): nothing to check an index against
+    flat = torch.sparse_coo_tensor(torch.empty((0, 1), dtype=torch.int64), torch.tensor([[1.0, 2.0, 3.0]]), (3,))
+    assert torch.equal(hvd.synchronize(hvd.sparse_allreduce_async(flat, "sparse.dim0", hvd.Sum)).to_dense(),
+                       torch.tensor([1.0, 2.0, 3.0]) * N)
 
 
 def test_sparse_allreduce_of_other_shapes_raises_on_every_rank():

@@ -319,6 +319,33 @@ def test_sparse_adam_trains_an_embedding_no_rank_looked_up_in_the_first_step():
     assert_replicas_identical(model, "sparse.adam.first")
 
 
+@pytest.mark.parametrize("how", ["groups", "sparse_as_dense"])
+def test_sparse_adam_when_some_ranks_reduce_an_embedding_as_dense(how):
+    """Reduced as dense (in a group, or sparse_as_dense=True) in a step only some ranks look the
+    embedding up: every rank gets it back sparse for SparseAdam (the ranks that filled zeros kept
+    it dense and raised, while the others stepped), matching one process."""
+    if N == 1:
+        pytest.skip("needs two ranks")
+    torch.manual_seed(0)
+    ref = torch.nn.Embedding(6, 2, sparse=True)
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.1)
+    opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(model.parameters(), lr=0.1),
+                                   named_parameters=[(f"dense.{how}", model.weight)],
+                                   **({"groups": 1} if how == "groups" else {"sparse_as_dense": True}))
+    for step, who in enumerate([{0}, set(range(N)), {N - 1}]):
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        ids = [torch.tensor([(step + 2 * s) % 6]) for s in range(N)]
+        sum(ref(ids[s]).sum() for s in who).div(N).backward()
+        if R in who:
+            model(ids[R]).sum().backward()
+        ref_opt.step()
+        opt.step()
+        assert torch.allclose(model.weight, ref.weight, rtol=1e-5, atol=1e-6), step
+    assert_replicas_identical(model, f"sparse.dense.{how}")
+
+
 def test_sparse_gradients_of_embeddings_of_other_sizes_raise_on_every_rank():
     """An embedding of 5 rows on rank 0, 12 elsewhere (a model that differs by rank; no
     broadcast_parameters): the step raises on every rank, not a gradient holding row 11 in a

@@ -188,6 +188,7 @@ def test_shutdown_fails_pending_handles_on_every_rank():
     assert out.count("pending handle failed: ShutdownError") == 2, out
     assert out.count("submission after shutdown: ShutdownError") == 1, out
     assert out.count("bad timeout: ValueError") == 2, out
+    assert out.count("numpy timeout: TimeoutError") == 1, out
     assert out.count("refusal before shutdown: MismatchError") == 2, out
     assert out.count("cycles ok") == 2, out
 

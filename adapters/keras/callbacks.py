@@ -293,6 +293,9 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
                          float(_backend.to_numpy(self.model.optimizer.learning_rate)))
 
 
+_UNSET = object()  # (an argument not given)
+
+
 class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
     """Horovod's: ``keras.callbacks.ModelCheckpoint`` that saves the model (or, with
     ``save_weights_only``, its weights) each time ``monitor`` improves (``save_best_only=True``),
@@ -302,10 +305,24 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
     refuses; here it is a keyword after Horovod's arguments (a ``.keras`` file, or a
     ``.weights.h5`` one with ``save_weights_only=True``, as Keras 3 asks). Put a
     ``MetricAverageCallback`` before it so that the monitored value is the ranks' average.
+    Horovod's two modules order the arguments differently: ``horovod.tensorflow.keras``
+    ``(monitor, verbose, save_weights_only, mode, save_freq)``, ``horovod.keras`` ``(monitor,
+    verbose, mode, save_freq)``; a string third argument is read as the second's ``mode``.
     """
 
-    def __init__(self, monitor: str = "val_loss", verbose: int = 0, save_weights_only: bool = False,
-                 mode: str = "auto", save_freq: Any = "epoch", *, filepath: Optional[str] = None):
+    def __init__(self, monitor: str = "val_loss", verbose: int = 0, save_weights_only: Any = False,
+                 mode: Any = _UNSET, save_freq: Any = _UNSET, *, filepath: Optional[str] = None):
+        if isinstance(save_weights_only, str):  # horovod.keras's order: (monitor, verbose, mode, save_freq)
+            if save_freq is not _UNSET:
+                raise TypeError(f"BestModelCheckpoint: a third argument {save_weights_only!r} is read as mode "
+                                f"(horovod.keras's order: monitor, verbose, mode, save_freq), so a fifth is one "
+                                f"too many; Received: save_freq={save_freq!r}.")
+            save_weights_only, mode, save_freq = False, save_weights_only, mode
+        if not isinstance(save_weights_only, bool):
+            raise TypeError(f"BestModelCheckpoint: save_weights_only must be True or False; Received: "
+                            f"{type(save_weights_only).__name__} {save_weights_only!r}.")
+        mode = "auto" if mode is _UNSET else mode
+        save_freq = "epoch" if save_freq is _UNSET else save_freq
         if filepath is None:
             raise ValueError("BestModelCheckpoint needs filepath='best.keras' (Horovod's gets one from its Spark "
                              "estimator); Received: filepath=None.")

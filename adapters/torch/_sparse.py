@@ -71,18 +71,22 @@ def sparse_rows_async(grad: Optional[torch.Tensor], param: torch.Tensor, name: s
 
 def with_shape_row(indices: torch.Tensor, values: torch.Tensor, shape: torch.Size):
     """``indices`` (nnz, sparse_dim) and ``values`` with a first row holding the sparse shape
-    (values zero)."""
+    (values zero); as they are without sparse dimensions (no index to check)."""
     sparse_dim = indices.shape[1]
-    row = torch.tensor([list(shape[:sparse_dim])], dtype=torch.int64)
-    return (torch.cat([row, indices]),
-            torch.cat([torch.zeros((1,) + tuple(values.shape[1:]), dtype=values.dtype), values]))
+    if sparse_dim == 0:
+        return indices, values
+    row = torch.tensor([list(shape[:sparse_dim])], dtype=torch.int64, device=indices.device)
+    zeros = torch.zeros((1,) + tuple(values.shape[1:]), dtype=values.dtype, device=values.device)
+    return torch.cat([row, indices]), torch.cat([zeros, values])
 
 
 def without_shape_rows(indices: torch.Tensor, values: torch.Tensor, shape: torch.Size, size: int, what: str):
     """Every rank's entries gathered with ``with_shape_row``, the shape rows taken out; a
     ``MismatchError`` (on every rank: each finds fewer than ``size`` rows of its own shape, or an
     entry past it) when the ranks' shapes differ."""
-    bound = torch.tensor(list(shape[:indices.shape[1]]), dtype=torch.int64)
+    if indices.shape[1] == 0:
+        return indices, values
+    bound = torch.tensor(list(shape[:indices.shape[1]]), dtype=torch.int64, device=indices.device)
     is_shape = (indices == bound).all(dim=1)
     found = int(is_shape.sum())
     if found != size or bool((indices >= bound).any(dim=1).logical_and_(~is_shape).any()):

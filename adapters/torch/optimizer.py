@@ -150,6 +150,11 @@ class _Flight:
                 p.grad.copy_(value)
 
 
+def _had_code(grad: Optional[torch.Tensor]) -> int:
+    """A gradient's byte in the step's presence reduction: 1 dense, 1 + sparse dimensions if sparse."""
+    return 1 + grad.sparse_dim() if grad is not None and grad.layout == torch.sparse_coo else 1
+
+
 class _DistributedOptimizer(WrapperCommon):
     """Mixin put first in the wrapper's bases; see ``DistributedOptimizer``."""
 
@@ -410,11 +415,15 @@ class _DistributedOptimizer(WrapperCommon):
         for p in self._hvddp_params:
             if p not in self._hvddp_submitted and p not in self._hvddp_group_of and p not in idle:
                 self._hvddp_submit_one(p)
-        # which parameters some rank had a gradient for: one that no rank had goes back to None
-        # after its zeros are reduced, so the update skips it as in one process (zeros would
-        # still move it through momentum or weight decay, and SparseAdam refuses them)
+        # which parameters some rank had a gradient for (a byte each: 0 none, 1 dense, 1 + its
+        # sparse dimensions if sparse): one that no rank had goes back to None after its zeros are
+        # reduced, so the update skips it as in one process (zeros would still move it through
+        # momentum or weight decay, and SparseAdam refuses them); one that some rank had sparse
+        # and this rank filled with dense zeros (in a group, or with sparse_as_dense) is made
+        # sparse here too, as that rank's is, so that every rank's update takes it alike
         params, filled = self._hvddp_params, self._hvddp_filled
-        had = np.fromiter((p not in filled for p in params), dtype=np.uint8, count=len(params))
+        had = np.fromiter((0 if p in filled else _had_code(p.grad) for p in params), dtype=np.uint8,
+                          count=len(params))
         had_handle = hvddp.allreduce_async_(had, None, self._hvddp_prefix[:-1] + ":had", hvddp.Max,
                                             process_set=self._hvddp_process_set)
         flights, self._hvddp_flights = self._hvddp_flights, []
@@ -441,9 +450,13 @@ class _DistributedOptimizer(WrapperCommon):
             errors.append(exc)
         else:
             if filled and not errors:
-                for p, anyone in zip(params, had):
-                    if not anyone and p in filled:
+                for p, code in zip(params, had.tolist()):
+                    if p not in filled:
+                        continue
+                    if code == 0:
                         p.grad = None
+                    elif code > 1 and p.grad is not None and p.grad.layout == torch.strided:
+                        p.grad = p.grad.to_sparse(code - 1)
         self._hvddp_filled = set()
         self._hvddp_zero_filled.clear()
         for p in self._hvddp_touched:

@@ -132,7 +132,7 @@ class Coordinator:
             if any(now - w.first_seen > limit for w in self.table.values()):
                 # named with it: every name late enough to warn about (a name announced through the
                 # cache reaches this table only when demoted, up to seconds after its submission)
-                floor = min(limit, cfg.stall_check_time_s)
+                floor = min(limit, cfg.stall_check_time_s) if cfg.stall_check_time_s > 0 else limit
                 dead = [(k, w) for k, w in self.table.items() if now - w.first_seen > floor]
                 self._fatal = (self._stall_text(dead, now, "stalled") +
                                f" Shutting down after HVDDP_STALL_SHUTDOWN_TIME_SECONDS={limit:g}.")
