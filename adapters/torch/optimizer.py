@@ -399,6 +399,7 @@ class _DistributedOptimizer(WrapperCommon):
         if not self._hvddp_active:
             self._hvddp_synchronized = True
             return
+        self._hvddp_filled = set()  # (filled below; none left from a step an error cut short)
         if self._hvddp_frozen:
             self._hvddp_adopt_unfrozen()
         modified = [self._hvddp_names[p] for p, (g, v) in self._hvddp_versions.items()
