@@ -95,8 +95,8 @@ def reduce_group(arrays: Sequence[np.ndarray], base: str, labels: Sequence[str],
     split = len(arrays) - counts if op is hvddp.Adasum and counts else len(arrays)
     members = len(arrays) - counts
     compressed, ctxs = [], []
-    for a in arrays[:split]:
-        c, ctx = compression.compress(a) if len(compressed) < members else (a, None)
+    for i, a in enumerate(arrays[:split]):
+        c, ctx = compression.compress(a) if i < members else (a, None)
         compressed.append(c)
         ctxs.append(ctx)
     handles = [hvddp.grouped_allreduce_async(compressed, name=base, op=op, prescale_factor=prescale_factor,

@@ -197,7 +197,6 @@ class _DistributedOptimizer(WrapperCommon):
         self._hvddp_post = float(gradient_predivide_factor) if op is Average else 1.0
         self._hvddp_sparse_as_dense = bool(sparse_as_dense)
         self._hvddp_sparse_params = set()  # known to get sparse gradients (here or on a peer)
-        self._hvddp_zero_filled = set()  # submitted as dense zeros this step, on their own
         self._hvddp_filled = set()  # without a gradient here this step (zeros, or no sparse rows)
         self._hvddp_process_set = process_set
         seen = set()
@@ -323,8 +322,6 @@ class _DistributedOptimizer(WrapperCommon):
                 # Other ranks may have a gradient for it (a branch not taken here): submit zeros
                 # so that every rank submits the same names.
                 grad = p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if gi is None:
-                    self._hvddp_zero_filled.add(p)
             if grad.layout != torch.strided:
                 grad = grad.to_dense()
             sent, ctx = compression.compress(grad)
@@ -355,7 +352,7 @@ class _DistributedOptimizer(WrapperCommon):
         if KIND_MISMATCH not in str(error) or flight.grouped or not flight.items or len(flight.items) != 1:
             return None
         p, sent, _, sparse = flight.items[0]
-        if not sparse and p not in self._hvddp_zero_filled:
+        if not sparse and p not in self._hvddp_filled:  # (a flight of its own: dense zeros here)
             return None
         self._hvddp_sparse_params.add(p)
         if not sparse:
@@ -459,7 +456,6 @@ class _DistributedOptimizer(WrapperCommon):
                     elif code > 1 and p.grad is not None and p.grad.layout == torch.strided:
                         p.grad = p.grad.to_sparse(code - 1)
         self._hvddp_filled = set()
-        self._hvddp_zero_filled.clear()
         for p in self._hvddp_touched:
             self._hvddp_delay[p] = self._hvddp_bpps
         for p in self._hvddp_submitted:
