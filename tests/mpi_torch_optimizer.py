@@ -515,6 +515,40 @@ def test_step_with_closure_averages_its_gradients():
     assert_parity(model, ref)
 
 
+@pytest.mark.parametrize("line_search", [None, "strong_wolfe"])
+def test_lbfgs_reads_the_averaged_loss(line_search):
+    """LBFGS reads the closure's loss (its line search, and its test to stop early): step(closure)
+    averages it, so every rank takes the steps one process takes on the whole batch (with each
+    rank's own loss, the line search chose different steps and the replicas parted silently; the
+    early stop made the ranks call the closure a different number of times and they stalled)."""
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    make = lambda params: torch.optim.LBFGS(params, lr=1, max_iter=5, line_search_fn=line_search)
+    opt = hvd.DistributedOptimizer(make(model.parameters()), named_parameters=model.named_parameters())
+    ref_opt = make(ref.parameters())
+    x, y = batch(0)
+    x = x * (1 + torch.arange(B) / 4).reshape(-1, 1)  # shards of unlike losses
+
+    def closure():
+        opt.zero_grad()
+        loss = shard_loss(model, x, y, R)
+        loss.backward()
+        return loss
+
+    def ref_closure():
+        ref_opt.zero_grad()
+        loss = sum(shard_loss(ref, x, y, s) for s in range(N)) / N
+        loss.backward()
+        return loss
+
+    for _ in range(3):
+        got, want = opt.step(closure), ref_opt.step(ref_closure)
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+    assert_parity(model, ref, rtol=1e-4, atol=1e-5)
+    assert_replicas_identical(model, f"lbfgs.{line_search}")
+
+
 def test_predivide_factor_and_sum():
     for kwargs, scale in (({"gradient_predivide_factor": 2.0}, 1.0 / N), ({"op": hvd.Sum}, 1.0)):
         model = Net()
@@ -643,6 +677,33 @@ def test_replaced_optimizer_stops_reducing():
         F.mse_loss(model(shard(x)), shard(y)).backward()
         first.step()
         first.zero_grad()
+
+
+def test_a_second_live_wrapper_on_the_same_parameters_is_named():
+    """An old wrapper an LR scheduler still holds keeps its hooks and counts the passes it never
+    steps; the error says so (it blamed backward_passes_per_step and reentrant checkpoints)."""
+    import gc
+
+    model = Net()
+    old = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    schedule = torch.optim.lr_scheduler.StepLR(old, 1)
+    x, y = batch(0)
+    new = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+    F.mse_loss(model(shard(x)), shard(y)).backward()
+    new.step()
+    new.zero_grad()
+    with pytest.raises(hvd.HvddpError, match="another DistributedOptimizer, still alive, also wraps"):
+        F.mse_loss(model(shard(x)), shard(y)).backward()
+    del schedule, old
+    gc.collect()
+    new.synchronize()  # (the parameters the refused backward reached before the error)
+    new.zero_grad()
+    for _ in range(2):  # the old wrapper is gone: training goes on
+        F.mse_loss(model(shard(x)), shard(y)).backward()
+        new.step()
+        new.zero_grad()
 
 
 def test_step_hooks_run_once_also_after_load_state_dict():

@@ -10,6 +10,8 @@ from typing import Any, Callable
 
 import torch
 
+from hvddp import HvddpError
+
 
 def load_in_place(optimizer: torch.optim.Optimizer, state_dict: dict, load: Callable[[dict], None]) -> None:
     """``load(state_dict)``, then move what it loaded into the optimizer's previous
@@ -48,7 +50,32 @@ def weak_hook(optimizer) -> Callable[[torch.Tensor], None]:
         if opt is not None:
             opt._hvddp_hook(p)
 
+    hook.hvddp_owner = ref
     return hook
+
+
+def too_many_passes(optimizer, p: torch.Tensor) -> HvddpError:
+    """The error for a gradient accumulated more than ``backward_passes_per_step`` times, naming
+    the likeliest cause: another DistributedOptimizer still alive on the same parameter (each
+    counts the passes, and only the one stepped starts again), else too few step() calls."""
+    name, passes = optimizer._hvddp_names[p], optimizer._hvddp_bpps
+    hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}
+    owners = [getattr(fn, "hvddp_owner", lambda: None)() for fn in list(hooks.values())]
+    if any(owner is not None and owner is not optimizer for owner in owners):
+        return HvddpError(
+            f"the gradient of {name!r} was accumulated more than backward_passes_per_step={passes} "
+            f"times before this DistributedOptimizer's step(), and another DistributedOptimizer, "
+            f"still alive, also wraps this parameter: each counts its backward passes, and the one "
+            f"not stepped never starts again. Free the old wrapper before wrapping again (delete "
+            f"what still holds it: a variable, an LR scheduler made on it), or keep stepping the "
+            f"old one.")
+    return HvddpError(
+        f"the gradient of {name!r} was accumulated more than backward_passes_per_step={passes} "
+        f"times before step() (or synchronize()). Increase backward_passes_per_step to accumulate "
+        f"gradients locally, or call step() after each {passes} backward pass(es). (Within a "
+        f"single backward pass: a parameter used inside and outside a reentrant "
+        f"torch.utils.checkpoint gets two gradient accumulations; pass use_reentrant=False to "
+        f"checkpoint.)")
 
 
 def remove_hooks(handles: list) -> None:

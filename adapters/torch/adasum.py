@@ -19,7 +19,7 @@ import torch
 
 from hvddp import Adasum, HvddpError, ProcessSet
 
-from ._wrapper import WrapperCommon, check_passes, remove_hooks, weak_hook
+from ._wrapper import WrapperCommon, check_passes, remove_hooks, too_many_passes, weak_hook
 from .compression import Compressor
 from .mpi_ops import allreduce_async_, synchronize
 
@@ -75,11 +75,7 @@ class _DistributedAdasumOptimizer(WrapperCommon):
 
     def _hvddp_hook(self, p: torch.Tensor) -> None:
         if self._hvddp_delay[p] <= 0:
-            raise HvddpError(
-                f"the gradient of {self._hvddp_names[p]!r} was accumulated more than "
-                f"backward_passes_per_step={self._hvddp_bpps} times before step(). Increase "
-                f"backward_passes_per_step to accumulate gradients locally, or call step() after each "
-                f"{self._hvddp_bpps} backward pass(es).")
+            raise too_many_passes(self, p)
         self._hvddp_delay[p] -= 1
         if self._hvddp_delay[p] == 0:
             self._hvddp_send_delta(p)

@@ -39,10 +39,10 @@ from hvddp.ops import _op as _check_op
 
 from ._convert import as_numpy
 from ._sparse import sparse_rows_async
-from ._wrapper import WrapperCommon, check_passes, remove_hooks, weak_hook
+from ._wrapper import WrapperCommon, check_passes, remove_hooks, too_many_passes, weak_hook
 from .adasum import _DistributedAdasumOptimizer, check_adasum_set
 from .compression import Compression, Compressor
-from .mpi_ops import allreduce_async_, grouped_allreduce_async_
+from .mpi_ops import allreduce, allreduce_async_, grouped_allreduce_async_
 
 # GradScaler warns custom optimizers that take its grad_scaler argument (this one does) of a
 # future change; the warning is for the optimizer's author, and would reach every user's log.
@@ -266,13 +266,7 @@ class _DistributedOptimizer(WrapperCommon):
     def _hvddp_hook(self, p: torch.Tensor) -> None:
         delay = self._hvddp_delay[p]
         if delay <= 0:
-            raise HvddpError(
-                f"the gradient of {self._hvddp_names[p]!r} was accumulated more than "
-                f"backward_passes_per_step={self._hvddp_bpps} times before step() (or synchronize()). "
-                f"Increase backward_passes_per_step to accumulate gradients locally, or call step() "
-                f"after each {self._hvddp_bpps} backward pass(es). (Within a single backward pass: "
-                f"a parameter used inside and outside a reentrant torch.utils.checkpoint gets two "
-                f"gradient accumulations; pass use_reentrant=False to checkpoint.)")
+            raise too_many_passes(self, p)
         delay -= 1
         self._hvddp_delay[p] = delay
         self._hvddp_touched.add(p)
@@ -493,7 +487,8 @@ class _DistributedOptimizer(WrapperCommon):
     def step(self, closure=None, grad_scaler=None):
         """Wait for the gradient reductions, then run the wrapped optimizer's update.
 
-        With a ``closure``, the gradients it computes are averaged before the update uses them.
+        With a ``closure``, the gradients it computes are averaged before the update uses them, and
+        so is the loss it returns (the update reads it: LBFGS), which ``step()`` gives back.
         After an explicit ``synchronize()`` with no backward since, nothing is reduced twice.
         Called by ``scaler.step(optimizer)`` (a ``torch.amp.GradScaler``), it averages the
         gradients, unscales them unless ``scaler.unscale_(optimizer)`` already did, and skips the
@@ -524,13 +519,27 @@ class _DistributedOptimizer(WrapperCommon):
                 def closure():
                     loss = inner()
                     self._hvddp_synchronize()
-                    return loss
+                    return self._hvddp_reduce_loss(loss)
             elif self._hvddp_unsynchronized():
                 self._hvddp_synchronize()
         self._hvddp_synchronized = False
         loss = super().step(closure)
         self._hvddp_mark_stepped()
         return loss
+
+    def _hvddp_reduce_loss(self, loss):
+        """A closure's loss over the ranks: averaged (summed under ``op=Sum``, as the gradients are).
+
+        Optimizers that read it (LBFGS's line search and its stopping test) then decide alike on
+        every rank; with each rank's own loss they took different steps, or a different number of
+        closure calls, and the replicas parted or the ranks stalled.
+        """
+        if loss is None:
+            return None
+        value = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss), dtype=torch.float64)
+        op = Sum if self._hvddp_op == Sum else Average
+        total = allreduce(value, name=self._hvddp_prefix[:-1] + ":loss", op=op, process_set=self._hvddp_process_set)
+        return total if isinstance(loss, torch.Tensor) else float(total)
 
     def _hvddp_pending(self) -> bool:
         """Gradients of this step are accumulated, submitted or in flight, not yet synchronized."""
