@@ -1155,6 +1155,52 @@ def test_exclude_from_weight_decay_survives_wrapping():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+class _UnsavableSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """Neither registered nor with a get_config: plain training never serializes it."""
+
+    def __call__(self, step):
+        return 0.1 / (1.0 + ops.cast(step, "float32"))
+
+
+def _half_lr():
+    return 0.05
+
+
+def test_wrapping_keeps_what_keras_would_not_serialize():
+    """The wrapper is made from the optimizer's config: a schedule without get_config, a
+    learning-rate function or lambda, a MultiOptimizer's selector function failed to wrap (Keras
+    looked them up again); a MultiOptimizer's AdamW lost its exclude_from_weight_decay and
+    decayed the biases. Each trains as one process does."""
+    def adamw_without_bias_decay():
+        opt = keras.optimizers.AdamW(0.05, weight_decay=0.5)
+        opt.exclude_from_weight_decay(var_names=["bias"])
+        return opt
+
+    cases = {
+        "schedule": lambda: keras.optimizers.SGD(_UnsavableSchedule()),
+        "function": lambda: keras.optimizers.SGD(_half_lr, momentum=0.5),
+        "lambda": lambda: keras.optimizers.Adam(lambda: 0.01),
+        "selector": lambda: keras.optimizers.MultiOptimizer(
+            (lambda sgd: lambda variable: sgd)(keras.optimizers.SGD(0.1))),
+        "multi_adamw": lambda: keras.optimizers.MultiOptimizer(
+            keras.optimizers.OptimizerMap(default_optimizer=adamw_without_bias_decay())),
+    }
+    x, y = global_data()
+    for case, make_opt in cases.items():
+        model = make_model(unused=False)
+        start = [w if w.ndim > 1 else np.ones_like(w) for w in model.get_weights()]  # biases not 0
+        model.set_weights(start)
+        model.compile(optimizer=hvd.DistributedOptimizer(make_opt()), loss="sparse_categorical_crossentropy")
+        model.fit(shard(x), shard(y), batch_size=GLOBAL_BATCH // SIZE, shuffle=False, verbose=0)
+        reference = make_model(unused=False)
+        reference.set_weights(start)
+        reference.compile(optimizer=make_opt(), loss="sparse_categorical_crossentropy")
+        reference.fit(x, y, batch_size=GLOBAL_BATCH, shuffle=False, verbose=0)
+        for got, want in zip(model.get_weights(), reference.get_weights()):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=case)
+        assert_replicas_identical(model.get_weights(), f"kept.{case}")
+
+
 def test_local_variables_refuse_global_clipnorm():
     """global_clipnorm would take each rank's own local gradients into the norm, so each rank
     clipped the averaged gradients differently and the shared weights drifted (2e-3 in an epoch)."""

@@ -152,7 +152,8 @@ class _DistributedOptimizerMixin:
         its saved form, which names the wrapped class: the copy averaged nothing). Registered
         local variables stay registered: they are the model's, which is not copied."""
         settings = self._hvddp_settings()
-        twin = type(self).from_config(self.get_config())
+        with _objects_kept(self):
+            twin = type(self).from_config(self.get_config())
         _copy_unconfigured(twin, self)
         # (a copy of a LossScaleOptimizer's inner one reduces itself: nothing wraps it any more)
         object.__setattr__(twin, "_hvddp", dict(settings, local=dict(settings["local"]), passthrough=False,
@@ -551,6 +552,18 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
             or backward_passes_per_step < 1:
         raise ValueError(f"DistributedOptimizer: backward_passes_per_step must be an int >= 1; "
                          f"Received: backward_passes_per_step={backward_passes_per_step!r}.")
+    with _objects_kept(optimizer):
+        wrapped = _rebuilt(optimizer, backward_passes_per_step, name, op, gradient_predivide_factor,
+                           compression, process_set, average_aggregated_gradients, scale_local_gradients)
+    if optimizer.built:
+        wrapped.build(list(optimizer._trainable_variables))
+        _copy_state(wrapped, optimizer)
+    return wrapped
+
+
+def _rebuilt(optimizer, backward_passes_per_step, name, op, gradient_predivide_factor, compression,
+             process_set, average_aggregated_gradients, scale_local_gradients):
+    """The wrapper: ``optimizer``'s class made distributed, from ``optimizer``'s config."""
     config = optimizer.get_config()
     if backward_passes_per_step > 1:
         target = _accumulation_config(config)
@@ -568,10 +581,71 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
     wrapped = cls.from_config(config)
     _copy_unconfigured(wrapped, optimizer)
     object.__setattr__(wrapped, "_hvddp", settings)
-    if optimizer.built:
-        wrapped.build(list(optimizer._trainable_variables))
-        _copy_state(wrapped, optimizer)
     return wrapped
+
+
+@keras.saving.register_keras_serializable(package="hvddp", name="KeptObject")
+class _Kept(keras.optimizers.schedules.LearningRateSchedule):
+    """Stands in for an object of an optimizer's while hvddp takes its config and makes the
+    wrapper from it (a learning-rate schedule or function, a MultiOptimizer's selector):
+    ``from_config`` gives back the object itself. Keras would serialize it and look it up again,
+    which fails for what plain training never needs to serialize: a schedule without
+    ``get_config`` or not registered, a function, a lambda."""
+
+    objects: Dict[int, Any] = {}
+
+    def __init__(self, key: int) -> None:
+        self.key = key
+
+    def __call__(self, step):  # pragma: no cover (never in an optimizer: from_config replaces it)
+        raise RuntimeError("hvddp's stand-in for a learning rate was called")
+
+    def get_config(self) -> Dict[str, Any]:
+        return {"key": self.key}
+
+    @classmethod
+    def from_config(cls, config: Dict[str, Any]) -> Any:
+        return cls.objects[config["key"]]
+
+
+def _family(optimizer: Any) -> List[Any]:
+    """``optimizer``, a LossScaleOptimizer's inner one, a MultiOptimizer's, in a fixed order."""
+    out = [optimizer]
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if isinstance(inner, keras.optimizers.Optimizer):
+        out += _family(inner)
+    for sub in optimizer.__dict__.get("_inner_optimizers", None) or ():
+        out += _family(sub)
+    return out
+
+
+def _kept_kind(attribute: str, value: Any) -> bool:
+    if attribute == "_optimizer_map":  # a selector function (an OptimizerMap is rebuilt)
+        return callable(value) and not isinstance(value, keras.optimizers.OptimizerMap)
+    return isinstance(value, keras.optimizers.schedules.LearningRateSchedule) or (
+        callable(value) and not isinstance(value, keras.Variable) and not keras.ops.is_tensor(value))
+
+
+class _objects_kept:
+    """Within: ``optimizer``'s config (and its inner optimizers') holds ``_Kept`` stand-ins for
+    its schedules, learning-rate functions and selector, and ``from_config`` restores the objects."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer, self.swapped = optimizer, []
+
+    def __enter__(self) -> None:
+        for opt in _family(self.optimizer):
+            for attribute in ("_learning_rate", "_optimizer_map"):
+                value = opt.__dict__.get(attribute)
+                if value is not None and _kept_kind(attribute, value):
+                    _Kept.objects[id(value)] = value
+                    opt.__dict__[attribute] = _Kept(id(value))
+                    self.swapped.append((opt, attribute, value))
+
+    def __exit__(self, *exc) -> None:
+        for opt, attribute, value in self.swapped:
+            opt.__dict__[attribute] = value
+            _Kept.objects.pop(id(value), None)
 
 
 _UNCONFIGURED = ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern")
@@ -580,11 +654,11 @@ _UNCONFIGURED = ("_exclude_from_weight_decay", "_exclude_from_weight_decay_patte
 def _copy_unconfigured(wrapped: Any, optimizer: Any) -> None:
     """What ``get_config`` leaves out and ``from_config`` cannot restore: the variables and name
     patterns given to ``exclude_from_weight_decay`` (without them, an AdamW's biases and norms
-    were decayed). A LossScaleOptimizer's inner optimizer's too."""
-    pairs = [(wrapped, optimizer)]
-    if hasattr(wrapped, "inner_optimizer") and hasattr(optimizer, "inner_optimizer"):
-        pairs.append((wrapped.inner_optimizer, optimizer.inner_optimizer))
-    for mine, theirs in pairs:
+    were decayed). A LossScaleOptimizer's inner optimizer's too, and a MultiOptimizer's."""
+    mine_all, theirs_all = _family(wrapped), _family(optimizer)
+    if len(mine_all) != len(theirs_all):
+        mine_all, theirs_all = mine_all[:1], theirs_all[:1]
+    for mine, theirs in zip(mine_all, theirs_all):
         for attribute in _UNCONFIGURED:
             if attribute in theirs.__dict__:
                 setattr(mine, attribute, theirs.__dict__[attribute])
