@@ -197,16 +197,22 @@ def call(fn: Callable[..., List[np.ndarray]], tensors: Sequence[Any],
 
 def reduce_gradients(grads: Sequence[Any], variables: Sequence[Any], labels: Sequence[str], prefix: str,
                      op: Any, gradient_predivide_factor: float, postscale: float, compression: Any,
-                     process_set: Any, counts: int = 0) -> List[Any]:
+                     process_set: Any, counts: int = 0, sparse_as_dense: bool = False) -> List[Any]:
     """Reduce a step's (non-None) gradients as one grouped submission on the active backend; the
-    last ``counts`` are bookkeeping members (see ``_grouping.reduce_group``)."""
+    last ``counts`` are bookkeeping members (see ``_grouping.reduce_group``). TensorFlow's sparse
+    gradients are gathered unless ``sparse_as_dense`` (see ``hvddp.tensorflow.ops.reduce_gradients``)."""
     backend = name()
     if backend == "tensorflow":
+        import tensorflow as tf
+
         from hvddp.tensorflow.ops import reduce_gradients as tf_reduce
 
         reduced = tf_reduce(grads, variables, labels, prefix, op, gradient_predivide_factor, compression,
-                            process_set, counts)
-        return reduced if postscale == 1.0 else [r * postscale for r in reduced]
+                            process_set, counts, sparse_as_dense)
+        if postscale == 1.0:
+            return reduced
+        return [tf.IndexedSlices(r.values * postscale, r.indices, r.dense_shape) if isinstance(r, tf.IndexedSlices)
+                else r * postscale for r in reduced]
     def reduce(*tensors):
         size = process_set.size()
         red_op, pre, post = _grouping.average_factors(op, gradient_predivide_factor, size)

@@ -31,7 +31,8 @@ _classes: Dict[type, type] = {}
 def _default_settings() -> Dict[str, Any]:
     return {"op": hvddp.Average, "gradient_predivide_factor": 1.0, "compression": Compression.none,
             "process_set": global_process_set, "postscale": 1.0, "passthrough": False, "in_stateless": False,
-            "local": {}, "scale_local_gradients": True, "deferred": False, "deferred_variables": None, "passes": 1}
+            "local": {}, "scale_local_gradients": True, "deferred": False, "deferred_variables": None, "passes": 1,
+            "sparse_as_dense": False}
 
 
 class _DistributedOptimizerMixin:
@@ -144,7 +145,7 @@ class _DistributedOptimizerMixin:
             counts += 1
         reduced = _backend.reduce_gradients(grads, variables, labels, "keras.grads", settings["op"],
                                             settings["gradient_predivide_factor"], settings["postscale"],
-                                            settings["compression"], ps, counts)
+                                            settings["compression"], ps, counts, settings["sparse_as_dense"])
         return _drop_absent(reduced[:-1], reduced[-1], present) if flagged else reduced
 
     def __deepcopy__(self, memo):
@@ -554,7 +555,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
                          f"Received: backward_passes_per_step={backward_passes_per_step!r}.")
     with _objects_kept(optimizer):
         wrapped = _rebuilt(optimizer, backward_passes_per_step, name, op, gradient_predivide_factor,
-                           compression, process_set, average_aggregated_gradients, scale_local_gradients)
+                           compression, process_set, average_aggregated_gradients, scale_local_gradients,
+                           sparse_as_dense)
     if optimizer.built:
         wrapped.build(list(optimizer._trainable_variables))
         _copy_state(wrapped, optimizer)
@@ -562,7 +564,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
 
 
 def _rebuilt(optimizer, backward_passes_per_step, name, op, gradient_predivide_factor, compression,
-             process_set, average_aggregated_gradients, scale_local_gradients):
+             process_set, average_aggregated_gradients, scale_local_gradients, sparse_as_dense):
     """The wrapper: ``optimizer``'s class made distributed, from ``optimizer``'s config."""
     config = optimizer.get_config()
     if backward_passes_per_step > 1:
@@ -575,6 +577,7 @@ def _rebuilt(optimizer, backward_passes_per_step, name, op, gradient_predivide_f
     settings = _settings(op, gradient_predivide_factor, compression, process_set,
                          _passes_postscale(config, average_aggregated_gradients), _passes(config))
     settings["scale_local_gradients"] = bool(scale_local_gradients)
+    settings["sparse_as_dense"] = bool(sparse_as_dense)
     if name is not None:
         config["name"] = name
     cls = _distributed_class(type(optimizer))

@@ -47,7 +47,9 @@ class _DistributedGradientTapeMixin:
         another rank has a gradient this rank gets the average (Adasum leaves the zeros out: the
         others' combination); one that no rank had stays ``None`` (an optimizer then skips it, as
         in one process). Inside a ``tf.function`` a gradient that is ``None`` on some ranks only
-        raises on every rank. Sparse gradients (``tf.IndexedSlices``) are reduced as dense ones.
+        raises on every rank. Sparse gradients (``tf.IndexedSlices``) are gathered (every rank's rows,
+        scaled as the average; as one process's on the whole batch), or reduced as dense ones
+        with ``sparse_as_dense=True``.
 
         Gradients of sources registered with ``register_local_source`` are not reduced: they
         come back as this rank's own, divided by the process set's size when the tape was made
@@ -78,7 +80,7 @@ class _DistributedGradientTapeMixin:
                                               [flat_sources[i] for i in shared] + [flags],
                                               labels + ["(which gradients exist)"], "tf.grads", settings["op"],
                                               settings["gradient_predivide_factor"], settings["compression"],
-                                              ps, counts=1)
+                                              ps, counts=1, sparse_as_dense=settings["sparse_as_dense"])
         reduced = drop_absent(reduced[:-1], reduced[-1], present, "hvddp.tensorflow.DistributedGradientTape")
         out = list(flat_grads)
         for i, g in zip(shared, reduced):
@@ -186,7 +188,7 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
     tape._recording = False
     tape._hvddp = {"op": op, "gradient_predivide_factor": factor, "compression": compression,
                    "process_set": process_set, "local": {},
-                   "scale_local_gradients": bool(scale_local_gradients)}
+                   "scale_local_gradients": bool(scale_local_gradients), "sparse_as_dense": bool(sparse_as_dense)}
     return tape
 
 

@@ -145,7 +145,9 @@ def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "
     Every member of ``process_set`` must run the op with the same name, dtype, shape, op and
     scale factors. Blocks until every rank has contributed (inside a ``tf.function``, when the
     op executes). A size-1 run returns ``postscale * prescale * tensor`` (Average: the tensor).
-    ``tf.IndexedSlices`` are reduced as dense tensors. The gradient of an Average (Sum) allreduce
+    ``tf.IndexedSlices`` are gathered with Average and Sum, as in Horovod (every rank's rows in
+    rank order, the values scaled; ``compression`` does not apply) and reduced as dense tensors
+    with the other ops. The gradient of an Average (Sum) allreduce
     is the Average (Sum) allreduce of the incoming gradient with the same scale factors; the
     other ops have none (``None``, where Horovod reduces the incoming gradient with the same op,
     which is not the derivative of Min, Max, Product or Adasum).
@@ -157,7 +159,8 @@ def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "
         compression: ``hvddp.Compression.none``, ``.fp16`` or ``.bf16``, applied around the reduction.
         op: ``hvddp.Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product``, or ``Adasum``
             (float tensors on a process set whose size is a power of two; see the core's
-            ``hvddp.allreduce``). Sparse tensors are combined as dense ones with every op.
+            ``hvddp.allreduce``). Sparse tensors are combined as dense ones with the ops other
+            than Average and Sum.
         prescale_factor, postscale_factor: multiply the input before and the result after.
         name: the name that matches this op across ranks (see the module docstring when None).
         process_set: the ranks taking part.
@@ -176,9 +179,14 @@ def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "
         _grouping.check_compression(compression, "allreduce")
         pre = float(prescale_factor)
         post = float(postscale_factor)
-        tensor = _dense(tensor, "allreduce")
-        _check_adasum(op, [tensor], process_set, "allreduce")
+        sparse = isinstance(tensor, tf.IndexedSlices) and op in (hvddp.Average, hvddp.Sum)
+        if not sparse:
+            tensor = _dense(tensor, "allreduce")
+            _check_adasum(op, [tensor], process_set, "allreduce")
     _check_xla("allreduce")
+    if sparse:  # Horovod's: every rank's rows, scaled (as the gradient tape does)
+        return _gathered_slices(tensor, name, pre * post / (_size(process_set) if op == hvddp.Average else 1),
+                                process_set)
     if op not in (hvddp.Average, hvddp.Sum):
         return _allreduce_raw(tensor, name, op, pre, post, compression, process_set)
 
@@ -256,15 +264,33 @@ def _check_adasum(op: Any, tensors: Sequence[tf.Tensor], process_set: ProcessSet
 
 def reduce_gradients(grads: Sequence[Any], sources: Sequence[Any], labels: Sequence[str], prefix: str,
                      op: Any, gradient_predivide_factor: float, compression: Any,
-                     process_set: ProcessSet, counts: int = 0) -> List[tf.Tensor]:
+                     process_set: ProcessSet, counts: int = 0, sparse_as_dense: bool = False) -> List[Any]:
     """Average (or Sum, or Adasum) a step's gradients as one grouped submission named ``prefix``.
 
     ``None`` gradients are reduced as zeros (every rank submits the same names; Adasum leaves a
     rank's zeros out), so the result is never ``None``. The last ``counts`` members are
-    bookkeeping (see ``_grouping.reduce_group``). Used by ``DistributedGradientTape`` and
-    ``hvddp.keras``.
+    bookkeeping (see ``_grouping.reduce_group``). Sparse gradients (``tf.IndexedSlices``, an
+    embedding's) are gathered, as Horovod does unless ``sparse_as_dense``: every rank's rows,
+    scaled as the average would be, which is the sparse gradient one process gets on the whole
+    batch (optimizers such as Adam update only the rows a sparse gradient names, so a dense one
+    gives other numbers). Used by ``DistributedGradientTape`` and ``hvddp.keras``.
     """
     _check_xla("DistributedGradientTape/DistributedOptimizer")
+    size = _size(process_set)
+    red_op, pre, post = _grouping.average_factors(op, gradient_predivide_factor, size)
+    sparse = [] if sparse_as_dense or red_op not in (hvddp.Average, hvddp.Sum) else \
+        [i for i, g in enumerate(grads[:len(grads) - counts]) if isinstance(g, tf.IndexedSlices)]
+    if sparse:
+        factor = pre * post / (size if red_op == hvddp.Average else 1)
+        rest = [i for i in range(len(grads)) if i not in set(sparse)]
+        out: List[Any] = [None] * len(grads)
+        for k, i in enumerate(sparse):  # (named by position: ranks may label variables apart)
+            out[i] = _gathered_slices(grads[i], f"{prefix}.sparse.{k}", factor, process_set)
+        reduced = reduce_gradients([grads[i] for i in rest], [sources[i] for i in rest], [labels[i] for i in rest],
+                                   prefix, op, gradient_predivide_factor, compression, process_set, counts)
+        for i, r in zip(rest, reduced):
+            out[i] = r
+        return out
     dense = []
     for g, s in zip(grads, sources):
         if g is None:
@@ -273,8 +299,6 @@ def reduce_gradients(grads: Sequence[Any], sources: Sequence[Any], labels: Seque
             dense.append(_dense(g, "gradient"))
     if not dense:
         return []
-    size = _size(process_set)
-    red_op, pre, post = _grouping.average_factors(op, gradient_predivide_factor, size)
     if red_op not in (hvddp.Average, hvddp.Sum):
         return _grouped_raw(dense, prefix, labels, red_op, pre, post, compression, process_set, counts)
     n = len(dense) - counts
@@ -288,6 +312,15 @@ def reduce_gradients(grads: Sequence[Any], sources: Sequence[Any], labels: Seque
         return _grouped_raw(list(xs), prefix, labels, red_op, pre, post, compression, process_set, counts), grad
 
     return list(_op(*dense))
+
+
+def _gathered_slices(grad: tf.IndexedSlices, name: str, factor: float, process_set: ProcessSet) -> tf.IndexedSlices:
+    """Every rank's rows of a sparse gradient, in rank order, the values times ``factor``."""
+    values = allgather(grad.values, name=name + ".values", ignore_name_scope=True, process_set=process_set)
+    indices = allgather(grad.indices, name=name + ".indices", ignore_name_scope=True, process_set=process_set)
+    if factor != 1.0:
+        values = values * tf.cast(factor, values.dtype)
+    return tf.IndexedSlices(values, indices, grad.dense_shape)
 
 
 def drop_absent(reduced: List[Any], flags: Any, present: List[bool], who: str) -> List[Any]:
