@@ -1184,6 +1184,9 @@ def test_wrapping_keeps_what_keras_would_not_serialize():
             (lambda sgd: lambda variable: sgd)(keras.optimizers.SGD(0.1))),
         "multi_adamw": lambda: keras.optimizers.MultiOptimizer(
             keras.optimizers.OptimizerMap(default_optimizer=adamw_without_bias_decay())),
+        "one_adamw_twice": lambda: (lambda adamw: keras.optimizers.MultiOptimizer(keras.optimizers.OptimizerMap(
+            keras.optimizers.SGD(0.1), {".*dense.*/kernel": adamw, ".*dense.*/bias": adamw})))(
+            adamw_without_bias_decay()),
     }
     x, y = global_data()
     for case, make_opt in cases.items():

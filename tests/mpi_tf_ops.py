@@ -1080,3 +1080,43 @@ def test_sparse_gradients_are_gathered_as_one_process_has_them(mode):
         for a, b in zip(model.get_weights(), reference):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
         assert_replicas_identical(model.get_weights(), "sparse.fit")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sparse_gradient_penalty_and_a_rank_without_the_gradient(mode):
+    """An outer tape through the gathered sparse gradient gets what it gets through the dense
+    reduction (allgather's own gradient averages over ranks: it came out 1/size too small). A
+    gradient that is sparse on one rank and None on another raises on every rank, saying what to
+    do (one rank waited on a gather the other never made, and the job aborted on the stall)."""
+    x, y = _token_data()
+    x, y = _my_rows(x)[:GLOBAL_BATCH // SIZE], _my_rows(y)[:GLOBAL_BATCH // SIZE]
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    wrap = (lambda f: f) if mode == "eager" else tf.function
+
+    def penalty_gradient(sparse_as_dense):
+        model = _embedding_model()
+
+        @wrap
+        def run(xb, yb):
+            with tf.GradientTape() as outer:
+                with tf.GradientTape() as tape:
+                    loss = loss_fn(yb, model(xb))
+                grads = hvd.DistributedGradientTape(tape, sparse_as_dense=sparse_as_dense).gradient(
+                    loss, model.trainable_variables)
+                embedding = tf.convert_to_tensor(grads[0])
+                penalty = tf.reduce_sum(embedding * embedding)
+            return outer.gradient(penalty, model.trainable_variables[1])
+
+        return run(tf.constant(x), tf.constant(y)).numpy()
+
+    sparse, dense = penalty_gradient(False), penalty_gradient(True)
+    assert np.abs(dense).max() > 1e-4
+    np.testing.assert_allclose(sparse, dense, rtol=1e-5, atol=1e-7)
+    if mode == "eager":
+        table = tf.Variable(np.ones((10, 3), "float32"))
+        weight = tf.Variable(np.ones(3, "float32"))
+        with tf.GradientTape() as tape:
+            used = tf.gather(table, [1, 2]) * weight if RANK == 0 else weight * 2.0
+            loss = tf.reduce_sum(used)
+        with pytest.raises(hvd.MismatchError, match="must not be None on another rank.*sparse_as_dense=True"):
+            hvd.DistributedGradientTape(tape).gradient(loss, [table, weight])

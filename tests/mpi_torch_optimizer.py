@@ -547,6 +547,16 @@ def test_lbfgs_reads_the_averaged_loss(line_search):
         torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
     assert_parity(model, ref, rtol=1e-4, atol=1e-5)
     assert_replicas_identical(model, f"lbfgs.{line_search}")
+    # a number comes back averaged, as a float; what is neither a number nor a tensor, as it was
+    other = Net()
+    sgd = hvd.DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.0),
+                                   named_parameters=other.named_parameters())
+    for returned, expected in ((R + 1, (N + 1) / 2), ((R, "aux"), (R, "aux")), (None, None)):
+        def closure():
+            sgd.zero_grad()
+            shard_loss(other, x, y, R).backward()
+            return returned
+        assert sgd.step(closure) == expected
 
 
 def test_predivide_factor_and_sum():

@@ -612,13 +612,16 @@ class _Kept(keras.optimizers.schedules.LearningRateSchedule):
 
 
 def _family(optimizer: Any) -> List[Any]:
-    """``optimizer``, a LossScaleOptimizer's inner one, a MultiOptimizer's, in a fixed order."""
+    """``optimizer``, a LossScaleOptimizer's inner one, a MultiOptimizer's (its map's default,
+    then by key: one object under two keys is listed twice), in a fixed order."""
     out = [optimizer]
     inner = getattr(optimizer, "inner_optimizer", None)
     if isinstance(inner, keras.optimizers.Optimizer):
         out += _family(inner)
-    for sub in optimizer.__dict__.get("_inner_optimizers", None) or ():
-        out += _family(sub)
+    mapping = optimizer.__dict__.get("_optimizer_map")
+    if isinstance(mapping, keras.optimizers.OptimizerMap):  # by key: a rebuilt map has an
+        subs = [mapping.default_optimizer] + [mapping[k] for k in sorted(mapping)]  # optimizer per key
+        out += [o for sub in subs if sub is not None for o in _family(sub)]
     return out
 
 
@@ -637,7 +640,7 @@ class _objects_kept:
         self.optimizer, self.swapped = optimizer, []
 
     def __enter__(self) -> None:
-        for opt in _family(self.optimizer):
+        for opt in {id(o): o for o in _family(self.optimizer)}.values():  # (one object may be in it twice)
             for attribute in ("_learning_rate", "_optimizer_map"):
                 value = opt.__dict__.get(attribute)
                 if value is not None and _kept_kind(attribute, value):
@@ -646,7 +649,7 @@ class _objects_kept:
                     self.swapped.append((opt, attribute, value))
 
     def __exit__(self, *exc) -> None:
-        for opt, attribute, value in self.swapped:
+        for opt, attribute, value in reversed(self.swapped):
             opt.__dict__[attribute] = value
             _Kept.objects.pop(id(value), None)
 

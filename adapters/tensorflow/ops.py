@@ -276,6 +276,17 @@ def reduce_gradients(grads: Sequence[Any], sources: Sequence[Any], labels: Seque
     gives other numbers). Used by ``DistributedGradientTape`` and ``hvddp.keras``.
     """
     _check_xla("DistributedGradientTape/DistributedOptimizer")
+    try:
+        return _reduce_gradients(grads, sources, labels, prefix, op, gradient_predivide_factor, compression,
+                                 process_set, counts, sparse_as_dense)
+    except hvddp.MismatchError as exc:
+        if sparse_as_dense or not any(g is None or isinstance(g, tf.IndexedSlices) for g in grads):
+            raise
+        raise hvddp.MismatchError(f"{exc} ({_SPARSE_HINT})") from None
+
+
+def _reduce_gradients(grads, sources, labels, prefix, op, gradient_predivide_factor, compression, process_set,
+                      counts, sparse_as_dense):
     size = _size(process_set)
     red_op, pre, post = _grouping.average_factors(op, gradient_predivide_factor, size)
     sparse = [] if sparse_as_dense or red_op not in (hvddp.Average, hvddp.Sum) else \
@@ -284,13 +295,26 @@ def reduce_gradients(grads: Sequence[Any], sources: Sequence[Any], labels: Seque
         factor = pre * post / (size if red_op == hvddp.Average else 1)
         rest = [i for i in range(len(grads)) if i not in set(sparse)]
         out: List[Any] = [None] * len(grads)
-        for k, i in enumerate(sparse):  # (named by position: ranks may label variables apart)
-            out[i] = _gathered_slices(grads[i], f"{prefix}.sparse.{k}", factor, process_set)
-        reduced = reduce_gradients([grads[i] for i in rest], [sources[i] for i in rest], [labels[i] for i in rest],
-                                   prefix, op, gradient_predivide_factor, compression, process_set, counts)
+        # The dense group first, and the gathers only after it (in a graph too): a rank where a
+        # gradient is None puts zeros in its group where another rank gathers, so the groups
+        # differ and every rank raises, instead of one rank waiting on a gather no other makes.
+        reduced = _reduce_dense([grads[i] for i in rest], [sources[i] for i in rest], [labels[i] for i in rest],
+                                prefix, op, gradient_predivide_factor, compression, process_set, counts)
         for i, r in zip(rest, reduced):
             out[i] = r
+        with tf.control_dependencies([r for r in reduced if isinstance(r, tf.Tensor)]):
+            for k, i in enumerate(sparse):  # (named by position: ranks may label variables apart)
+                out[i] = _gathered_slices(grads[i], f"{prefix}.sparse.{k}", factor, process_set)
         return out
+    return _reduce_dense(grads, sources, labels, prefix, op, gradient_predivide_factor, compression, process_set,
+                         counts)
+
+
+def _reduce_dense(grads, sources, labels, prefix, op, gradient_predivide_factor, compression, process_set,
+                  counts) -> List[tf.Tensor]:
+    """``reduce_gradients`` with every gradient reduced as a dense tensor (None as zeros)."""
+    size = _size(process_set)
+    red_op, pre, post = _grouping.average_factors(op, gradient_predivide_factor, size)
     dense = []
     for g, s in zip(grads, sources):
         if g is None:
@@ -314,13 +338,32 @@ def reduce_gradients(grads: Sequence[Any], sources: Sequence[Any], labels: Seque
     return list(_op(*dense))
 
 
+_SPARSE_HINT = ("if a gradient is a tf.IndexedSlices on some ranks and None on others: a sparse "
+                "gradient is gathered, not reduced, so it must not be None on another rank; compute "
+                "it on every rank, or pass sparse_as_dense=True to reduce it as a dense tensor")
+
+
 def _gathered_slices(grad: tf.IndexedSlices, name: str, factor: float, process_set: ProcessSet) -> tf.IndexedSlices:
-    """Every rank's rows of a sparse gradient, in rank order, the values times ``factor``."""
+    """Every rank's rows of a sparse gradient, in rank order, the values times ``factor``.
+
+    Differentiable as the dense reduction is: the values' gradient is ``factor`` times the sum
+    over ranks of the incoming gradient's rows for this rank (allgather's own gradient is the
+    average over ranks, hence the size in ``_summed_in_backward``)."""
     values = allgather(grad.values, name=name + ".values", ignore_name_scope=True, process_set=process_set)
     indices = allgather(grad.indices, name=name + ".indices", ignore_name_scope=True, process_set=process_set)
+    values = _summed_in_backward(values, float(_size(process_set)))
     if factor != 1.0:
         values = values * tf.cast(factor, values.dtype)
     return tf.IndexedSlices(values, indices, grad.dense_shape)
+
+
+def _summed_in_backward(x: tf.Tensor, size: float) -> tf.Tensor:
+    """``x``; its gradient is the incoming one times ``size``."""
+    @tf.custom_gradient
+    def identity(t):
+        return tf.identity(t), lambda dy: dy * tf.cast(size, dy.dtype)
+
+    return identity(x)
 
 
 def drop_absent(reduced: List[Any], flags: Any, present: List[bool], who: str) -> List[Any]:

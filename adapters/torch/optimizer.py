@@ -532,11 +532,15 @@ class _DistributedOptimizer(WrapperCommon):
 
         Optimizers that read it (LBFGS's line search and its stopping test) then decide alike on
         every rank; with each rank's own loss they took different steps, or a different number of
-        closure calls, and the replicas parted or the ranks stalled.
+        closure calls, and the replicas parted or the ranks stalled. A tensor comes back detached,
+        a number as a float; anything else (None, a tuple) as it was.
         """
-        if loss is None:
-            return None
-        value = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss), dtype=torch.float64)
+        if isinstance(loss, torch.Tensor):
+            value = loss.detach()
+        elif isinstance(loss, numbers.Real) and not isinstance(loss, bool):
+            value = torch.tensor(float(loss), dtype=torch.float64)
+        else:  # None, or what only the caller reads (a tuple, say): as the closure returned it
+            return loss
         op = Sum if self._hvddp_op == Sum else Average
         total = allreduce(value, name=self._hvddp_prefix[:-1] + ":loss", op=op, process_set=self._hvddp_process_set)
         return total if isinstance(loss, torch.Tensor) else float(total)
