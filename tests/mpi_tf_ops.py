@@ -1120,3 +1120,11 @@ def test_sparse_gradient_penalty_and_a_rank_without_the_gradient(mode):
             loss = tf.reduce_sum(used)
         with pytest.raises(hvd.MismatchError, match="must not be None on another rank.*sparse_as_dense=True"):
             hvd.DistributedGradientTape(tape).gradient(loss, [table, weight])
+        # two tables of one shape, each looked up on one rank only: the groups match in shape, and
+        # the gathers of the two tables met under one name (each rank updated its own table with
+        # both ranks' rows, silently)
+        other = tf.Variable(np.ones((10, 3), "float32"))
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.gather(table if RANK == 0 else other, [1, 2]))
+        with pytest.raises(hvd.MismatchError, match="sparse .tf.IndexedSlices. on some ranks and not on others"):
+            hvd.DistributedGradientTape(tape).gradient(loss, [table, other])

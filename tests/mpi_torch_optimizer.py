@@ -7,6 +7,7 @@ bit-identical.
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -551,7 +552,8 @@ def test_lbfgs_reads_the_averaged_loss(line_search):
     other = Net()
     sgd = hvd.DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.0),
                                    named_parameters=other.named_parameters())
-    for returned, expected in ((R + 1, (N + 1) / 2), ((R, "aux"), (R, "aux")), (None, None)):
+    for returned, expected in ((R + 1, (N + 1) / 2), (np.array(R + 1.0), (N + 1) / 2), ((R, "aux"), (R, "aux")),
+                               (None, None)):
         def closure():
             sgd.zero_grad()
             shard_loss(other, x, y, R).backward()

@@ -155,6 +155,7 @@ class _DistributedOptimizerMixin:
         settings = self._hvddp_settings()
         with _objects_kept(self):
             twin = type(self).from_config(self.get_config())
+        _reshare(twin, self)
         _copy_unconfigured(twin, self)
         # (a copy of a LossScaleOptimizer's inner one reduces itself: nothing wraps it any more)
         object.__setattr__(twin, "_hvddp", dict(settings, local=dict(settings["local"]), passthrough=False,
@@ -582,6 +583,7 @@ def _rebuilt(optimizer, backward_passes_per_step, name, op, gradient_predivide_f
         config["name"] = name
     cls = _distributed_class(type(optimizer))
     wrapped = cls.from_config(config)
+    _reshare(wrapped, optimizer)
     _copy_unconfigured(wrapped, optimizer)
     object.__setattr__(wrapped, "_hvddp", settings)
     return wrapped
@@ -652,6 +654,29 @@ class _objects_kept:
         for opt, attribute, value in reversed(self.swapped):
             opt.__dict__[attribute] = value
             _Kept.objects.pop(id(value), None)
+
+
+def _reshare(wrapped: Any, optimizer: Any) -> None:
+    """One optimizer under several keys of a MultiOptimizer's map (or also its default) is one
+    object again in the wrapper: the config holds a copy per key, and copies would each keep
+    their own state (and Keras' torch AdamW fails on one whose variables are all excluded from
+    weight decay, as a bias-only copy is)."""
+    mine, theirs = wrapped.__dict__.get("_optimizer_map"), optimizer.__dict__.get("_optimizer_map")
+    if not (isinstance(mine, keras.optimizers.OptimizerMap) and isinstance(theirs, keras.optimizers.OptimizerMap)):
+        return
+    first: Dict[int, Any] = {}
+    for key in [None] + list(theirs._optimizer_map):  # None: the default optimizer
+        original = theirs._default_optimizer if key is None else theirs._optimizer_map[key]
+        copy = mine._default_optimizer if key is None else mine._optimizer_map[key]
+        shared = first.setdefault(id(original), copy)
+        if shared is not copy and key is not None:
+            mine._optimizer_map[key] = shared
+    if len(first) != len(wrapped._inner_optimizers):  # (as MultiOptimizer's __init__ lists them)
+        inner: List[Any] = []
+        for opt in list(mine._optimizer_map.values()) + [mine._default_optimizer]:
+            if not any(opt is seen for seen in inner):
+                inner.append(opt)
+        wrapped._inner_optimizers = inner
 
 
 _UNCONFIGURED = ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern")

@@ -280,7 +280,7 @@ def reduce_gradients(grads: Sequence[Any], sources: Sequence[Any], labels: Seque
         return _reduce_gradients(grads, sources, labels, prefix, op, gradient_predivide_factor, compression,
                                  process_set, counts, sparse_as_dense)
     except hvddp.MismatchError as exc:
-        if sparse_as_dense or not any(g is None or isinstance(g, tf.IndexedSlices) for g in grads):
+        if sparse_as_dense or op not in (hvddp.Average, hvddp.Sum) or _SPARSE_HINT in str(exc):
             raise
         raise hvddp.MismatchError(f"{exc} ({_SPARSE_HINT})") from None
 
@@ -289,25 +289,41 @@ def _reduce_gradients(grads, sources, labels, prefix, op, gradient_predivide_fac
                       counts, sparse_as_dense):
     size = _size(process_set)
     red_op, pre, post = _grouping.average_factors(op, gradient_predivide_factor, size)
-    sparse = [] if sparse_as_dense or red_op not in (hvddp.Average, hvddp.Sum) else \
-        [i for i, g in enumerate(grads[:len(grads) - counts]) if isinstance(g, tf.IndexedSlices)]
-    if sparse:
-        factor = pre * post / (size if red_op == hvddp.Average else 1)
-        rest = [i for i in range(len(grads)) if i not in set(sparse)]
-        out: List[Any] = [None] * len(grads)
-        # The dense group first, and the gathers only after it (in a graph too): a rank where a
-        # gradient is None puts zeros in its group where another rank gathers, so the groups
-        # differ and every rank raises, instead of one rank waiting on a gather no other makes.
-        reduced = _reduce_dense([grads[i] for i in rest], [sources[i] for i in rest], [labels[i] for i in rest],
-                                prefix, op, gradient_predivide_factor, compression, process_set, counts)
-        for i, r in zip(rest, reduced):
-            out[i] = r
-        with tf.control_dependencies([r for r in reduced if isinstance(r, tf.Tensor)]):
-            for k, i in enumerate(sparse):  # (named by position: ranks may label variables apart)
-                out[i] = _gathered_slices(grads[i], f"{prefix}.sparse.{k}", factor, process_set)
-        return out
-    return _reduce_dense(grads, sources, labels, prefix, op, gradient_predivide_factor, compression, process_set,
-                         counts)
+    n = len(grads) - counts
+    if sparse_as_dense or red_op not in (hvddp.Average, hvddp.Sum) or not n:
+        return _reduce_dense(grads, sources, labels, prefix, op, gradient_predivide_factor, compression,
+                             process_set, counts)
+    # The dense group goes first, with one more bookkeeping member: which gradients are sparse on
+    # this rank (then a 1). Where the ranks differ (a gradient sparse on one rank and None, sent
+    # as zeros, on another), every rank raises before any gather, instead of one rank waiting on
+    # a gather no other makes, or two gathers of different variables meeting under one name.
+    is_sparse = [isinstance(g, tf.IndexedSlices) for g in grads[:n]]
+    sparse = [i for i in range(n) if is_sparse[i]]
+    rest = [i for i in range(len(grads)) if i >= n or not is_sparse[i]]
+    kinds = tf.constant(np.array(is_sparse + [True], dtype=np.float32))
+    reduced = _reduce_dense([grads[i] for i in rest] + [kinds], [sources[i] for i in rest] + [kinds],
+                            [labels[i] for i in rest] + ["(which gradients are sparse)"], prefix, op,
+                            gradient_predivide_factor, compression, process_set, counts + 1)
+    share = reduced[-1][:-1] / reduced[-1][-1]
+    differ = tf.logical_and(share > 0.0, share < 1.0)
+    if tf.executing_eagerly():
+        if bool(tf.reduce_any(differ)):
+            which = [labels[i] for i in range(n) if bool(differ[i])]
+            raise hvddp.MismatchError(f"{prefix}: the gradients of {which} are sparse (tf.IndexedSlices) on "
+                                      f"some ranks and not on others ({_SPARSE_HINT}).")
+        check = []
+    else:
+        check = [tf.debugging.Assert(tf.logical_not(tf.reduce_any(differ)), [
+            f"{prefix}: some gradients are sparse (tf.IndexedSlices) on some ranks and not on others "
+            f"({_SPARSE_HINT}). Whether each is sparse, averaged over the ranks:", share])]
+    out: List[Any] = [None] * len(grads)
+    for i, r in zip(rest, reduced[:-1]):
+        out[i] = r
+    factor = pre * post / (size if red_op == hvddp.Average else 1)
+    with tf.control_dependencies(check + [r for r in reduced if isinstance(r, tf.Tensor)]):
+        for k, i in enumerate(sparse):  # (named by position: ranks may label variables apart)
+            out[i] = _gathered_slices(grads[i], f"{prefix}.sparse.{k}", factor, process_set)
+    return out
 
 
 def _reduce_dense(grads, sources, labels, prefix, op, gradient_predivide_factor, compression, process_set,

@@ -532,14 +532,16 @@ class _DistributedOptimizer(WrapperCommon):
 
         Optimizers that read it (LBFGS's line search and its stopping test) then decide alike on
         every rank; with each rank's own loss they took different steps, or a different number of
-        closure calls, and the replicas parted or the ranks stalled. A tensor comes back detached,
-        a number as a float; anything else (None, a tuple) as it was.
+        closure calls, and the replicas parted or the ranks stalled. A one-element float tensor comes
+        back detached, a number (or 0-d array) as a float; anything else (None, a tuple, a
+        per-sample vector) as it was.
         """
-        if isinstance(loss, torch.Tensor):
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
             value = loss.detach()
-        elif isinstance(loss, numbers.Real) and not isinstance(loss, bool):
+        elif isinstance(loss, (numbers.Real, np.ndarray, np.generic)) and not isinstance(loss, (bool, np.bool_)) \
+                and np.ndim(loss) == 0 and np.asarray(loss).dtype.kind in "fiu":
             value = torch.tensor(float(loss), dtype=torch.float64)
-        else:  # None, or what only the caller reads (a tuple, say): as the closure returned it
+        else:  # None, or what only the caller reads (a tuple, a per-sample vector): as returned
             return loss
         op = Sum if self._hvddp_op == Sum else Average
         total = allreduce(value, name=self._hvddp_prefix[:-1] + ":loss", op=op, process_set=self._hvddp_process_set)
