@@ -490,15 +490,8 @@ def test_step_inside_skip_synchronize_without_synchronize_is_refused():
     assert_replicas_identical(model, "skip.unsynchronized")
 
 
-def test_step_with_closure_averages_its_gradients():
-    torch.manual_seed(0)
-    ref = Net()
-    model = copy.deepcopy(ref)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    x, y = batch(0)
-
+def parity_closures(model, ref, opt, ref_opt, x, y):
+    """step() closures: this rank's shard through ``opt``; the whole batch through ``ref_opt``."""
     def closure():
         opt.zero_grad()
         loss = shard_loss(model, x, y, R)
@@ -511,6 +504,18 @@ def test_step_with_closure_averages_its_gradients():
         loss.backward()
         return loss
 
+    return closure, ref_closure
+
+
+def test_step_with_closure_averages_its_gradients():
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x, y = batch(0)
+    closure, ref_closure = parity_closures(model, ref, opt, ref_opt, x, y)
     opt.step(closure)
     ref_opt.step(ref_closure)
     assert_parity(model, ref)
@@ -530,19 +535,7 @@ def test_lbfgs_reads_the_averaged_loss(line_search):
     ref_opt = make(ref.parameters())
     x, y = batch(0)
     x = x * (1 + torch.arange(B) / 4).reshape(-1, 1)  # shards of unlike losses
-
-    def closure():
-        opt.zero_grad()
-        loss = shard_loss(model, x, y, R)
-        loss.backward()
-        return loss
-
-    def ref_closure():
-        ref_opt.zero_grad()
-        loss = sum(shard_loss(ref, x, y, s) for s in range(N)) / N
-        loss.backward()
-        return loss
-
+    closure, ref_closure = parity_closures(model, ref, opt, ref_opt, x, y)
     for _ in range(3):
         got, want = opt.step(closure), ref_opt.step(ref_closure)
         torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)

@@ -185,8 +185,7 @@ def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "
             _check_adasum(op, [tensor], process_set, "allreduce")
     _check_xla("allreduce")
     if sparse:  # Horovod's: every rank's rows, scaled (as the gradient tape does)
-        return _gathered_slices(tensor, name, pre * post / (_size(process_set) if op == hvddp.Average else 1),
-                                process_set)
+        return _gathered_slices(tensor, name, op, pre, post, process_set)
     if op not in (hvddp.Average, hvddp.Sum):
         return _allreduce_raw(tensor, name, op, pre, post, compression, process_set)
 
@@ -319,10 +318,9 @@ def _reduce_gradients(grads, sources, labels, prefix, op, gradient_predivide_fac
     out: List[Any] = [None] * len(grads)
     for i, r in zip(rest, reduced[:-1]):
         out[i] = r
-    factor = pre * post / (size if red_op == hvddp.Average else 1)
     with tf.control_dependencies(check + [r for r in reduced if isinstance(r, tf.Tensor)]):
         for k, i in enumerate(sparse):  # (named by position: ranks may label variables apart)
-            out[i] = _gathered_slices(grads[i], f"{prefix}.sparse.{k}", factor, process_set)
+            out[i] = _gathered_slices(grads[i], f"{prefix}.sparse.{k}", red_op, pre, post, process_set)
     return out
 
 
@@ -359,15 +357,19 @@ _SPARSE_HINT = ("if a gradient is a tf.IndexedSlices on some ranks and None on o
                 "it on every rank, or pass sparse_as_dense=True to reduce it as a dense tensor")
 
 
-def _gathered_slices(grad: tf.IndexedSlices, name: str, factor: float, process_set: ProcessSet) -> tf.IndexedSlices:
-    """Every rank's rows of a sparse gradient, in rank order, the values times ``factor``.
+def _gathered_slices(grad: tf.IndexedSlices, name: str, op: Any, pre: float, post: float,
+                     process_set: ProcessSet) -> tf.IndexedSlices:
+    """Every rank's rows of a sparse gradient, in rank order, the values scaled as the Average or
+    Sum ``op`` with these scale factors would scale them (``factor`` below).
 
     Differentiable as the dense reduction is: the values' gradient is ``factor`` times the sum
     over ranks of the incoming gradient's rows for this rank (allgather's own gradient is the
     average over ranks, hence the size in ``_summed_in_backward``)."""
     values = allgather(grad.values, name=name + ".values", ignore_name_scope=True, process_set=process_set)
     indices = allgather(grad.indices, name=name + ".indices", ignore_name_scope=True, process_set=process_set)
-    values = _summed_in_backward(values, float(_size(process_set)))
+    size = _size(process_set)
+    values = _summed_in_backward(values, float(size))
+    factor = pre * post / (size if op == hvddp.Average else 1)
     if factor != 1.0:
         values = values * tf.cast(factor, values.dtype)
     return tf.IndexedSlices(values, indices, grad.dense_shape)
