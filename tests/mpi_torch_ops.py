@@ -352,6 +352,84 @@ def test_reducescatter_grad():
     assert_equal(a.grad, torch.cat([torch.full((2,), (r + 1.0) * N) for r in range(N)]))
 
 
+def test_second_order_gradients_through_collectives():
+    """create_graph=True (a gradient penalty) goes through the collectives a second time, as in
+    Horovod: the backward passes used the non-differentiable forms, so the penalty's gradient
+    lost the other ranks' part silently (320 where one process has 968) or had no graph at all.
+    Allreduce, grouped allreduce and alltoall backpropagate their exact adjoints: every rank's
+    result equals one process differentiating the sum of the ranks' losses (loss r = sum(w_r *
+    y_r ** 3), penalty = the squared gradient). Allgather and broadcast average their gradient
+    over the ranks (Horovod's convention): for them the one process takes the mean of the losses,
+    then of the penalties."""
+    xs = [torch.linspace(-1.0, 1.0, 2 * N, dtype=torch.float64) * (r + 1) + r for r in range(N)]
+
+    def weights(n):
+        return [torch.linspace(0.5, 2.0, n, dtype=torch.float64) + r for r in range(N)]
+
+    def one_process(outputs, mean=False):  # outputs(X) -> [rank r's output]
+        X = [x.clone().requires_grad_() for x in xs]
+        ys = outputs(X)
+        scale = 1.0 / N if mean else 1.0
+        loss = scale * sum((w * y ** 3).sum() for w, y in zip(weights(ys[0].numel()), ys))
+        grads = torch.autograd.grad(loss, X, create_graph=True, materialize_grads=True)
+        (scale * sum((g * g).sum() for g in grads)).backward()
+        return grads[R].detach(), torch.zeros_like(X[R]) if X[R].grad is None else X[R].grad
+
+    def distributed(output):
+        x = xs[R].clone().requires_grad_()
+        y = output(x)
+        g, = torch.autograd.grad((weights(y.numel())[R] * y ** 3).sum(), x, create_graph=True)
+        (g * g).sum().backward()
+        return g.detach(), x.grad
+
+    root = N - 1
+    cases = {
+        "allreduce.sum": (lambda x: hvd.allreduce(x, op=hvd.Sum, name="g2.sum") + x,
+                          lambda X: [sum(X) + x for x in X], False),
+        "allreduce.average": (lambda x: hvd.allreduce(x * x, name="g2.avg") * x,
+                              lambda X: [sum(x * x for x in X) / N * x for x in X], False),
+        "grouped_allreduce": (lambda x: torch.cat(hvd.grouped_allreduce([x[:N], x[N:] * x[N:]], op=hvd.Sum,
+                                                                        name="g2.grouped")) * x,
+                              lambda X: [torch.cat([sum(v[:N] for v in X), sum(v[N:] * v[N:] for v in X)]) * x
+                                         for x in X], False),
+        "alltoall": (lambda x: hvd.alltoall(x * x, name="g2.a2a") + x,
+                     lambda X: [torch.cat([X[s][2 * r:2 * r + 2] ** 2 for s in range(N)]) + X[r] for r in range(N)],
+                     False),
+        "allgather": (lambda x: hvd.allgather(x, name="g2.ag"), lambda X: [torch.cat(X)] * N, True),
+        # the other ranks' gradients are zeros, yet in the graph: the second backward meets the
+        # root's allreduce on every rank (it waited on the root alone)
+        "broadcast": (lambda x: hvd.broadcast(x, root, name="g2.bc"),
+                      lambda X: [X[root]] * N, True),
+    }
+    for case, (output, outputs, mean) in cases.items():
+        want_g, want = one_process(outputs, mean)
+        g, got = distributed(output)
+        torch.testing.assert_close(g, want_g, rtol=1e-12, atol=1e-12, msg=f"{case}: first order")
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"{case}: second order")
+    # SyncBatchNorm (two Sum allreduces): the penalty's gradient equals BatchNorm's on the whole
+    # batch (it differed by up to 0.005 from it)
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(2).double()
+    sync = hvd.SyncBatchNorm(2).double()
+    sync.load_state_dict(bn.state_dict())
+    parts = [torch.randn(3, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(r)) for r in range(N)]
+    whole = torch.cat(parts).requires_grad_()
+    g_whole, = torch.autograd.grad((bn(whole) ** 3).sum(), whole, create_graph=True)
+    (g_whole * g_whole).sum().backward()
+    x = parts[R].clone().requires_grad_()
+    g, = torch.autograd.grad((sync(x) ** 3).sum(), x, create_graph=True)
+    (g * g).sum().backward()
+    torch.testing.assert_close(g.detach(), g_whole.detach()[3 * R:3 * R + 3], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(x.grad, whole.grad[3 * R:3 * R + 3], rtol=1e-10, atol=1e-10)
+    # reducescatter: Horovod's backward (an allgather, times the size) is differentiable in turn
+    x = xs[R].clone().requires_grad_()
+    g, = torch.autograd.grad((hvd.reducescatter(x * x, op=hvd.Sum, name="g2.rs") ** 2).sum(), x,
+                             create_graph=True)
+    assert g.grad_fn is not None
+    (g * g).sum().backward()
+    assert x.grad is not None and bool(torch.isfinite(x.grad).all())
+
+
 # SyncBatchNorm ---------------------------------------------------------------------------------
 def test_sync_batch_norm_names_do_not_depend_on_the_layers_a_rank_built():
     """Rank 0 builds one more layer than the others (never run): the layers all ranks run
@@ -457,6 +535,19 @@ def test_broadcasts_refuse_other_models_on_every_rank():
     with pytest.raises(ValueError, match=r"broadcast_optimizer_state: .* has parameters of shapes \[\[\(2, 2\), "
                                          r"\(2,\)\]\], but rank 1 has \[\[\(2, 3\), \(2,\)\]\]"):
         hvd.broadcast_optimizer_state(opt, root_rank=0)
+    # a rank that built its model on the meta device (and forgot to_empty): it raised alone and
+    # the root waited on the rest of the broadcasts
+    with torch.device("meta" if R == 1 else "cpu"):
+        lazy = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"(rank 1: )?broadcast_parameters: 'bias' is on the meta device"):
+        hvd.broadcast_parameters(lazy.state_dict(), root_rank=0)
+    opt = torch.optim.Adam(lazy.parameters())
+    if R == 0:
+        lazy(torch.ones(1, 2)).sum().backward()
+        opt.step()
+    with pytest.raises(TypeError, match=r"(rank 1: )?broadcast_optimizer_state: '0.step' is on the meta device"):
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+    hvd.barrier()  # (every rank is still in step)
 
 
 def test_broadcast_optimizer_state_gives_the_root_the_same_dtypes():

@@ -10,6 +10,7 @@ import torch
 import hvddp
 from hvddp import ProcessSet, global_process_set
 
+from ._convert import TensorArgumentError, check_tensor
 from .mpi_ops import broadcast_async_, synchronize
 from ._wrapper import load_in_place
 
@@ -94,7 +95,8 @@ def broadcast_parameters(params: Union[Dict[str, torch.Tensor], Iterable], root_
                 f"{[x for x in theirs if x not in root][:3]}; every rank must pass the same "
                 f"model's state_dict() or named_parameters()")
 
-    _check_like_the_root(mine, root_rank, process_set, "broadcast_parameters", tensors)
+    _check_like_the_root(mine, root_rank, process_set, "broadcast_parameters", tensors,
+                         _refusal(named, "broadcast_parameters"))
     handles = []
     for name, tensor in named:
         handles.append(broadcast_async_(tensor.data, root_rank, f"broadcast_parameters.{name}",
@@ -151,20 +153,22 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
                 else f"parameters of shapes {root}, but rank {rank} has {theirs}")
         return f"the root rank {root_rank} has {what}; every rank must build the same optimizer over the same model"
 
-    _check_like_the_root(shapes, root_rank, process_set, "broadcast_optimizer_state", groups)
     state: Dict[Any, Dict[str, Any]] = {}
-    handles = []
+    moved = []
     for key in sorted(skeleton["state"], key=str):
         entry = {}
         for field, value in skeleton["state"][key].items():
             if isinstance(value, _TensorSpec):
                 tensor = (local["state"][key][field].detach() if is_root
                           else value.empty(params.get(key)))
-                handles.append(broadcast_async_(tensor, root_rank,
-                                                f"broadcast_optimizer_state.{key}.{field}", process_set))
+                moved.append((f"{key}.{field}", tensor))
                 value = tensor
             entry[field] = value
         state[key] = entry
+    _check_like_the_root(shapes, root_rank, process_set, "broadcast_optimizer_state", groups,
+                         _refusal(moved, "broadcast_optimizer_state"))
+    handles = [broadcast_async_(tensor, root_rank, f"broadcast_optimizer_state.{name}", process_set)
+               for name, tensor in moved]
     for handle in handles:
         synchronize(handle)
     # in place: a wrapper, its wrapped optimizer and schedulers keep sharing. The root loads its
@@ -174,11 +178,30 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
                   optimizer.load_state_dict)
 
 
-def _check_like_the_root(mine: Any, root_rank: int, process_set: ProcessSet, fn: str, describe) -> None:
-    """Raise ``ValueError`` on every rank of ``process_set`` if some rank's ``mine`` is not the
-    root's: ``describe(root's, first other rank, its value)`` says how."""
-    every = hvddp.allgather_object(mine, f"{fn}.check", process_set)
+def _refusal(named: List[Tuple[str, torch.Tensor]], fn: str) -> Optional[str]:
+    """Why this rank cannot send or receive one of ``named`` (a tensor on the meta device, of an
+    unsupported dtype), or None."""
+    for name, tensor in named:
+        try:
+            check_tensor(tensor, fn, repr(name))
+        except TensorArgumentError as exc:
+            return str(exc)
+    return None
+
+
+def _check_like_the_root(mine: Any, root_rank: int, process_set: ProcessSet, fn: str, describe,
+                         refusal: Optional[str] = None) -> None:
+    """Raise on every rank of ``process_set`` if some rank refused one of its tensors
+    (``TensorArgumentError``, with that rank's ``refusal``) or if its ``mine`` is not the root's
+    (``ValueError``: ``describe(root's, first other rank, its value)`` says how). A rank that
+    raised alone left the others waiting on broadcasts it never made."""
+    every = hvddp.allgather_object((mine, refusal), f"{fn}.check", process_set)
     ranks = process_set.ranks or list(range(hvddp.size()))
+    refused = [(r, why) for r, (_, why) in zip(ranks, every) if why is not None]
+    if refused:
+        raise TensorArgumentError(f"rank {refused[0][0]}: {refused[0][1]}" if hvddp.rank() != refused[0][0]
+                                  else refused[0][1])
+    every = [m for m, _ in every]
     if root_rank not in ranks:
         return  # the broadcast itself names the bad root_rank
     root = every[ranks.index(root_rank)]

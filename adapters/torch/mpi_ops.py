@@ -204,8 +204,10 @@ class _Allreduce(torch.autograd.Function):
     def backward(ctx, grad_output):
         average, name, op, pre, post, process_set = ctx.args
         _check_differentiable(op, average)
-        grad = allreduce_async(grad_output.contiguous(), average, _grad_name(name), op, pre, post,
-                               process_set).wait()
+        # the public, differentiable collective, as Horovod's: under create_graph=True (a gradient
+        # penalty, a Hessian-vector product) the second backward goes through it too
+        grad = allreduce(grad_output.contiguous(), average, _grad_name(name), op=op, prescale_factor=pre,
+                         postscale_factor=post, process_set=process_set)
         return grad, None, None, None, None, None, None
 
 
@@ -285,8 +287,8 @@ class _GroupedAllreduce(torch.autograd.Function):
     def backward(ctx, *grads):
         average, name, op, pre, post, process_set = ctx.args
         _check_differentiable(op, average)
-        out = grouped_allreduce_async([g.contiguous() for g in grads], average, _grad_name(name), op,
-                                      pre, post, process_set).wait()
+        out = grouped_allreduce([g.contiguous() for g in grads], average, _grad_name(name), op=op,
+                                prescale_factor=pre, postscale_factor=post, process_set=process_set)
         return (None,) * 6 + tuple(out)
 
 
@@ -385,8 +387,8 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         rows, name, process_set = ctx.args
-        grad = allreduce_async(grad_output.contiguous(), None, _grad_name(name), Average,
-                               process_set=process_set).wait()
+        grad = allreduce(grad_output.contiguous(), None, _grad_name(name), op=Average,
+                         process_set=process_set)
         offset = _rows_offset(rows, _grad_name(name), process_set)
         return grad.narrow(0, offset, rows), None, None
 
@@ -419,8 +421,8 @@ class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         rows, name, process_set = ctx.args
-        reduced = grouped_allreduce_async([g.contiguous() for g in grads], None, _grad_name(name),
-                                          Average, process_set=process_set).wait()
+        reduced = grouped_allreduce([g.contiguous() for g in grads], None, _grad_name(name), op=Average,
+                                    process_set=process_set)
         counts = hvddp.allgather(torch.tensor([rows], dtype=torch.int64).numpy(),
                                  None if name is None else f"{name}.grad.rows", process_set)
         offsets = counts[:process_set.rank()].sum(axis=0).tolist()
@@ -476,10 +478,11 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         root_rank, name, process_set = ctx.args
-        grad = allreduce_async(grad_output.contiguous(), None, _grad_name(name), Average,
-                               process_set=process_set).wait()
-        if hvddp.rank() != root_rank:
-            grad = torch.zeros_like(grad)
+        grad = allreduce(grad_output.contiguous(), None, _grad_name(name), op=Average,
+                         process_set=process_set)
+        if hvddp.rank() != root_rank:  # zeros still in the graph (not zeros_like): a second
+            # backward (create_graph=True) meets the allreduce above on every rank, not the root alone
+            grad = grad.masked_fill(torch.ones((), dtype=torch.bool, device=grad.device), 0)
         return grad, None, None, None
 
 
@@ -534,8 +537,7 @@ class _Alltoall(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output, _grad_splits):
         received, name, process_set, rows = ctx.args
-        grad, _ = alltoall_async(grad_output.contiguous(), received, _grad_name(name),
-                                 process_set).wait()
+        grad, _ = alltoall(grad_output.contiguous(), received, _grad_name(name), process_set)
         if grad.shape[0] < rows:  # rows past sum(splits) were not sent: their gradient is zero
             grad = torch.cat([grad, grad.new_zeros((rows - grad.shape[0],) + tuple(grad.shape[1:]))])
         return grad, None, None, None
@@ -592,7 +594,7 @@ class _Reducescatter(torch.autograd.Function):
     def backward(ctx, grad_output):
         name, op, process_set, pre, post = ctx.args
         factor = _scatter_grad_factor(op, pre, post, process_set)
-        grad = allgather_async(grad_output.contiguous(), _grad_name(name), process_set).wait()
+        grad = allgather(grad_output.contiguous(), _grad_name(name), process_set)
         return grad * factor, None, None, None, None, None
 
 
@@ -634,8 +636,7 @@ class _GroupedReducescatter(torch.autograd.Function):
     def backward(ctx, *grads):
         name, op, process_set, pre, post = ctx.args
         factor = _scatter_grad_factor(op, pre, post, process_set)
-        out = grouped_allgather_async([g.contiguous() for g in grads], _grad_name(name),
-                                      process_set).wait()
+        out = grouped_allgather([g.contiguous() for g in grads], _grad_name(name), process_set)
         return (None,) * 5 + tuple(g * factor for g in out)
 
 
