@@ -185,6 +185,16 @@ def test_horovod_signatures_and_unsigned_copies():
         assert out.dtype == x.dtype and out.numpy().tolist() == [t for t in mine for _ in range(SIZE)]
 
 
+def test_horovods_mpi_ops_module_ports():
+    """Scripts import from horovod.tensorflow.mpi_ops too; hvddp.tensorflow.mpi_ops was missing."""
+    import hvddp.tensorflow.mpi_ops as mpi_ops
+    from hvddp.tensorflow.mpi_ops import allgather, rank_op  # noqa: F401 (as such scripts do)
+
+    differ = [n for n in mpi_ops.__all__ if getattr(mpi_ops, n) is not getattr(hvd, n, None)]
+    assert not differ, differ
+    assert int(mpi_ops.size_op()) == hvd.size() and mpi_ops.allgather(tf.ones([1])).shape == [hvd.size()]
+
+
 def test_xla_raises_a_clear_error():
     @tf.function(jit_compile=True)
     def step(x):

@@ -31,7 +31,7 @@ from hvddp import (Adasum, Average, BackendUnavailableError, HvddpError, Launche
                    mpi_threads_supported, nccl_built, rank, remove_process_set, rocm_built, shutdown, size,
                    start_timeline, stop_timeline)
 
-from . import compression, elastic
+from . import compression, elastic, mpi_ops
 from .compression import Compression, Compressor
 from .elastic import HostsUpdatedInterrupt
 from .functions import (DistributedOptimizer, allgather_object, broadcast_, broadcast_global_variables,
@@ -58,5 +58,5 @@ __all__ = [
     "broadcast_", "broadcast_variables", "broadcast_global_variables",
     "HvddpError", "NotInitializedError", "BackendUnavailableError", "MismatchError", "ShutdownError",
     "StallError", "LauncherMismatchError", "start_timeline", "stop_timeline", "elastic", "HostsUpdatedInterrupt",
-    "HorovodInternalError", "compression",
+    "HorovodInternalError", "compression", "mpi_ops",
 ]
