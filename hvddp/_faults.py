@@ -154,7 +154,10 @@ def _write_stderr(text: str) -> None:
 def _report_and_abort(world, text: str) -> None:
     """Write ``text`` in one piece, give the launcher a moment to forward it, then abort."""
     _write_stderr(text)
-    time.sleep(0.2)  # launchers stop forwarding output once they see the abort
+    try:
+        time.sleep(0.2)  # launchers stop forwarding output once they see the abort
+    except BaseException:  # a second Ctrl-C must not skip the abort
+        pass
     world.Abort(1)
     # MPICH 5.0.2's MPI_Abort can return before the launcher kills the job: exit here, so that
     # atexit does not run (it would report this rank done, and shut hvddp down under the peers)
@@ -185,6 +188,9 @@ _LAUNCHER_STOP_WAIT_S = 3.0  # how long a monitor waits for hydra to stop the jo
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
+    # its own process group: the launcher signals the monitor's whole group, and the monitor
+    # forwards what it gets, so in the monitor's group the rank got each SIGINT/SIGTERM twice
+    os.setpgid(0, 0)
     try:
         import ctypes
 

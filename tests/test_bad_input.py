@@ -20,12 +20,14 @@ def test_bad_config_fails_at_init_naming_variable_and_value():
 
 
 def test_bad_timeline_path_fails_on_every_rank():
-    """HVDDP_TIMELINE parses as any text; a path rank 0 cannot create must fail every rank."""
+    """HVDDP_TIMELINE parses as any text; a path rank 0 cannot create must fail every rank,
+    naming the variable set (HOROVOD_TIMELINE's error told the user to fix HVDDP_TIMELINE)."""
     result = run(2, ["tests/mpi_faults_bad_config.py", "timeline"], timeout=60, check=False)
-    outcomes = re.findall(r"TIMELINE OUTCOME (.*)", result.stdout)
-    assert len(outcomes) == 2, result.stdout
-    for outcome in outcomes:
-        assert outcome.startswith("ValueError") and "HVDDP_TIMELINE" in outcome, result.stdout
+    outcomes = re.findall(r"TIMELINE OUTCOME (\S+) (.*)", result.stdout)
+    assert len(outcomes) == 4, result.stdout
+    for variable, outcome in outcomes:
+        assert outcome.startswith(f"ValueError: environment variable {variable}="), result.stdout
+        assert outcome.endswith(f"Fix or unset {variable}."), result.stdout
 
 
 def test_engine_variables_that_differ_across_ranks_fail_on_every_rank(tmp_path):

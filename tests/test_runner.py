@@ -301,3 +301,35 @@ def test_a_signal_to_hvddprun_alone_stops_the_job(signame):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_a_rank_gets_a_signal_to_hvddprun_once():
+    """A rank's own SIGTERM handler (a checkpoint on preemption) runs once: the launcher signals
+    the rank monitor's whole process group and the monitor forwards what it gets, so a rank in
+    its monitor's group got the signal twice."""
+    import signal
+
+    script = ("import signal, time, hvddp; got = []; signal.signal(signal.SIGTERM, lambda *a: got.append(1)); "
+              "hvddp.init(); print('rank-is-up', flush=True); end = time.time() + 60\n"
+              "while time.time() < end and not got: time.sleep(0.05)\n"
+              "time.sleep(2); print(f'rank {hvddp.rank()} got {len(got)}', flush=True)")
+    proc = subprocess.Popen([sys.executable, "-m", "hvddp.runner", "-np", "2", "python", "-c", script],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        up = 0
+        while up < 2:
+            line = proc.stdout.readline()
+            assert line, "hvddprun ended before the ranks were up"
+            up += line.count("rank-is-up")
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"hvddprun still ran 30 s after SIGTERM:\n{proc.communicate()[0]}")
+        assert sorted(re.findall(r"rank (\d) got (\d+)", out)) == [("0", "1"), ("1", "1")], out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
