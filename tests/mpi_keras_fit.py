@@ -325,6 +325,21 @@ def test_metric_average_callback():
         np.testing.assert_allclose(per_class, [(SIZE - 1) / 2, 10.0 * (SIZE - 1) / 2 + epoch])
 
 
+def test_metric_average_callback_refuses_metrics_some_ranks_lack():
+    """Validation data on rank 0 only: its val_ metrics have no partner reduction on the others,
+    which waited forever (Horovod's too); every rank raises, naming what each logged."""
+    if SIZE < 2:
+        pytest.skip("needs two ranks")
+    model = make_model()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    x, y = np.ones((4, 5), "float32"), np.zeros((4, 3), "float32")
+    with pytest.raises(hvd.MismatchError, match=r"epoch 0 the ranks log different metrics .* rank 0: "
+                                                  r"\[\('loss', \(\)\), \('val_loss', \(\)\)\]; rank 1: \[\('loss'"):
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0, validation_data=(x, y) if RANK == 0 else None,
+                  callbacks=[hvd.callbacks.MetricAverageCallback()])
+    hvd.allreduce(np.ones(1), name="after.metric.mismatch")  # the engine goes on
+
+
 def test_best_model_checkpoint_saves_improvements_on_rank_0():
     """Horovod's BestModelCheckpoint (monitor first; filepath a keyword here, since Horovod's
     None is refused by Keras 3): the model whose averaged monitored value was best, on rank 0."""

@@ -129,7 +129,8 @@ class MetricAverageCallback(keras.callbacks.Callback):
 
     Place it before callbacks that read the metrics (``ModelCheckpoint``, ``EarlyStopping``,
     ``ReduceLROnPlateau``); Keras' own ``History`` and progress bar come after user callbacks.
-    Every rank must report the same metric names.
+    Every rank must report the same metric names and shapes; where they differ (validation data
+    given to one rank only), every rank raises ``MismatchError`` naming them.
     """
 
     def __init__(self, device: str = "", process_set: ProcessSet = global_process_set):
@@ -141,9 +142,19 @@ class MetricAverageCallback(keras.callbacks.Callback):
         if not logs or not self.process_set.included():  # outside the set: this rank's own values
             return
         values = {k: _numeric(v) for k, v in logs.items()}
+        values = {k: v for k, v in values.items() if v is not None}
+        # compared first: a name one rank lacked left the others waiting on its reduction
+        mine = sorted((k, v.shape) for k, v in values.items())
+        every = hvddp.allgather_object(mine, name="keras.metric.names", process_set=self.process_set)
+        if any(theirs != every[0] for theirs in every):
+            ranks = self.process_set.ranks or list(range(hvddp.size()))
+            raise hvddp.MismatchError(
+                f"MetricAverageCallback: at the end of epoch {epoch} the ranks log different metrics "
+                f"(name, shape): " + "; ".join(f"rank {r}: {names}" for r, names in zip(ranks, every))
+                + ". Every rank must compile the same metrics and get validation data alike (or none).")
         handles = [(k, hvddp.allreduce_async(values[k].astype(np.float64), name=f"keras.metric.{k}",
                                              process_set=self.process_set))
-                   for k in sorted(values) if values[k] is not None]
+                   for k in sorted(values)]
         for key, handle in handles:
             mean = handle.wait()
             # a number stays a number; a metric with one value per class (F1Score(average=None))
