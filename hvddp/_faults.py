@@ -188,15 +188,23 @@ _LAUNCHER_STOP_WAIT_S = 3.0  # how long a monitor waits for hydra to stop the jo
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
-    # its own process group: the launcher signals the monitor's whole group, and the monitor
-    # forwards what it gets, so in the monitor's group the rank got each SIGINT/SIGTERM twice
-    os.setpgid(0, 0)
     try:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except Exception:  # not Linux: the launcher's own cleanup has to do
         pass
+
+
+def _signals_reach_the_group() -> bool:
+    """True when this process leads its process group and its parent is MPICH's hydra proxy,
+    which signals each process it started as a group."""
+    try:
+        with open(f"/proc/{os.getppid()}/comm") as f:
+            parent = f.read().strip()
+    except OSError:
+        return False
+    return os.getpgrp() == os.getpid() and parent == "hydra_pmi_proxy"
 
 
 def _describe(code: int) -> str:
@@ -249,9 +257,16 @@ def rank_monitor(command: Sequence[str]) -> int:
         return 127
 
     stopped = []  # signals the launcher (or the user) sent: the rank did not fail by itself
+    # The rank stays in this monitor's process group, so that a launcher's kill of the group
+    # also ends what the rank started (a DataLoader's workers). Hydra's proxy makes each monitor
+    # a group leader and signals the whole group: the rank has the signal already, and a
+    # forwarded copy ran its SIGTERM handler twice. Other launchers may signal the monitor alone.
+    group_signalled = _signals_reach_the_group()
 
     def forward(signum, _frame):
         stopped.append(signum)
+        if group_signalled:
+            return
         try:
             child.send_signal(signum)
         except OSError:

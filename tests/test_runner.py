@@ -303,32 +303,44 @@ def test_a_signal_to_hvddprun_alone_stops_the_job(signame):
             proc.wait()
 
 
-def test_a_rank_gets_a_signal_to_hvddprun_once():
+def test_a_rank_gets_a_signal_to_hvddprun_once_and_so_do_its_children():
     """A rank's own SIGTERM handler (a checkpoint on preemption) runs once: the launcher signals
-    the rank monitor's whole process group and the monitor forwards what it gets, so a rank in
-    its monitor's group got the signal twice."""
+    the rank monitor's whole process group and the monitor forwarded what it got, so the rank
+    got the signal twice. What the rank started (a DataLoader's workers; here a sleep holding
+    the rank's output) gets it too, and ends (taken out of the group, it outlived the job and
+    hvddprun waited on its output)."""
     import signal
 
-    script = ("import signal, time, hvddp; got = []; signal.signal(signal.SIGTERM, lambda *a: got.append(1)); "
-              "hvddp.init(); print('rank-is-up', flush=True); end = time.time() + 60\n"
+    script = ("import signal, subprocess, time, hvddp; got = []; "
+              "signal.signal(signal.SIGTERM, lambda *a: got.append(1)); "
+              "child = subprocess.Popen(['sleep', '60']); "
+              "hvddp.init(); print(f'rank-is-up child {child.pid}', flush=True); end = time.time() + 60\n"
               "while time.time() < end and not got: time.sleep(0.05)\n"
               "time.sleep(2); print(f'rank {hvddp.rank()} got {len(got)}', flush=True)")
     proc = subprocess.Popen([sys.executable, "-m", "hvddp.runner", "-np", "2", "python", "-c", script],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+    children = []
     try:
         up = 0
         while up < 2:
             line = proc.stdout.readline()
             assert line, "hvddprun ended before the ranks were up"
             up += line.count("rank-is-up")
+            children += [int(pid) for pid in re.findall(r"rank-is-up child (\d+)", line)]
+        start = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         try:
             out, _ = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             pytest.fail(f"hvddprun still ran 30 s after SIGTERM:\n{proc.communicate()[0]}")
+        assert time.monotonic() - start < 10, out
         assert sorted(re.findall(r"rank (\d) got (\d+)", out)) == [("0", "1"), ("1", "1")], out
+        deadline = time.monotonic() + 5
+        while any(os.path.exists(f"/proc/{pid}") for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")], out
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
