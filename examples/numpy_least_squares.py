@@ -2,10 +2,14 @@
 
 Each rank holds a shard of the rows, computes its gradient of the mean squared error, and
 hvddp averages the gradients, so every rank takes the same gradient-descent step. The result is
-compared with the closed-form solution on the full data.
+compared with one process taking the same steps on all the rows (the weights agree to rounding)
+and with the closed-form solution (the mean squared error; the weights themselves converge
+slowly along the data's nearly collinear features).
 
-    mpiexec -n 2 python -m mpi4py examples/numpy_least_squares.py
+    mpiexec -n 2 python -m mpi4py examples/numpy_least_squares.py [--steps 3000] [--lr 0.5]
 """
+
+import argparse
 
 import numpy as np
 from sklearn.datasets import load_diabetes
@@ -32,11 +36,18 @@ def main(steps: int = 3000, lr: float = 0.5) -> None:
     exact_loss = np.mean((x[:rows] @ exact - y[:rows]) ** 2)
     same = hvddp.allgather(w[None, :], name="replicas")
     if hvddp.rank() == 0:
+        alone = np.random.default_rng(0).normal(size=x.shape[1])  # rank 0's start, which every rank got
+        for step in range(steps):
+            alone -= lr / 10 * 2.0 / rows * x[:rows].T @ (x[:rows] @ alone - y[:rows])
         print(f"ranks: {hvddp.size()}  distributed MSE: {float(loss):.2f}  closed form: {exact_loss:.2f}  "
-              f"max |w - exact|: {np.abs(w - exact).max():.3g}  replicas identical: "
+              f"max |w - one process|: {np.abs(w - alone).max():.2g}  replicas identical: "
               f"{bool((same == same[0]).all())}")
     hvddp.shutdown()
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3000, help="gradient-descent steps")
+    parser.add_argument("--lr", type=float, default=0.5, help="step size (times 1/10)")
+    args = parser.parse_args()
+    main(args.steps, args.lr)

@@ -1,7 +1,8 @@
 """Train a small CNN on scikit-learn's digits (8x8 images, shipped with scikit-learn) with hvddp.
 
 Each rank trains on its shard of every epoch (``DistributedSampler``); gradients are averaged by
-``hvd.DistributedOptimizer`` while backward runs; metrics are averaged with ``hvd.allreduce``.
+``hvd.DistributedOptimizer`` while backward runs; metrics are reduced with ``hvd.allreduce`` (the training
+loss averaged, the test loss and accuracy summed over the ranks' shares, each test sample once).
 Rank 0 alone shows the progress bar, logs, and writes the checkpoint; ``--resume`` restarts from
 it (rank 0 loads, the others receive the state by broadcast).
 
@@ -58,16 +59,30 @@ def average(value: float, name: str) -> float:
     return hvd.allreduce(torch.tensor(value, dtype=torch.float64), name=name).item()
 
 
-def evaluate(model, loader, sampler) -> tuple:
+def total(value: float, name: str) -> float:
+    """The sum of ``value`` over all ranks."""
+    return hvd.allreduce(torch.tensor(value, dtype=torch.float64), name=name, op=hvd.Sum).item()
+
+
+def evaluate(model, loader) -> tuple:
+    """Test loss and accuracy over the whole test set, each sample counted once."""
     model.eval()
+    # the sampler pads every rank's share to one length by repeating the first samples; they come
+    # last on the ranks that get them (sampler positions rank, rank + size, ... past the end of
+    # the dataset) and are left out
+    real = len(range(hvd.rank(), len(loader.dataset), hvd.size()))
     loss = correct = 0.0
+    seen = 0
     with torch.no_grad():
         for x, y in loader:
-            out = model(x)
-            loss += F.cross_entropy(out, y, reduction="sum").item()
-            correct += (out.argmax(1) == y).sum().item()
-    # every rank holds len(sampler) samples (the sampler pads), so the mean of means is exact
-    return (average(loss / len(sampler), "test.loss"), average(correct / len(sampler), "test.accuracy"))
+            keep = max(0, min(len(y), real - seen))
+            seen += len(y)
+            if keep:
+                out = model(x[:keep])
+                loss += F.cross_entropy(out, y[:keep], reduction="sum").item()
+                correct += (out.argmax(1) == y[:keep]).sum().item()
+    n = len(loader.dataset)  # the ranks' sums over their shares, which together are the test set
+    return total(loss, "test.loss") / n, total(correct, "test.correct") / n
 
 
 def main() -> float:
@@ -100,8 +115,11 @@ def main() -> float:
         state = torch.load(args.checkpoint)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        for group in optimizer.param_groups:  # this job's rate (the checkpoint's was for its size)
+            group["lr"] = args.lr * hvd.size()
         start_epoch = state["epoch"]
-        log.info("resumed from %s after epoch %d", args.checkpoint, start_epoch)
+        log.info("resumed from %s after epoch %d, learning rate %g (--lr times %d ranks)", args.checkpoint,
+                 start_epoch, optimizer.param_groups[0]["lr"], hvd.size())
     start_epoch = hvd.broadcast_object(start_epoch, root_rank=0, name="start_epoch")
     # Every replica starts from rank 0's weights and optimizer state.
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -124,7 +142,7 @@ def main() -> float:
             total += loss.item()
             bar.set_postfix(loss=f"{loss.item():.3f}")
         train_loss = average(total / len(train_loader), "train.loss")
-        test_loss, accuracy = evaluate(model, test_loader, test_sampler)
+        test_loss, accuracy = evaluate(model, test_loader)
         log.info("epoch %2d  train loss %.4f  test loss %.4f  test accuracy %.2f%%",
                  epoch + 1, train_loss, test_loss, 100 * accuracy)
         if hvd.rank() == 0:
@@ -132,7 +150,7 @@ def main() -> float:
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                         "epoch": epoch + 1}, args.checkpoint)
     if accuracy is None:  # resumed after the last epoch: nothing to train, the model is tested as it is
-        _, accuracy = evaluate(model, test_loader, test_sampler)
+        _, accuracy = evaluate(model, test_loader)
     log.info("ranks %d  test accuracy %.2f%%  training time %.1f s  checkpoint %s", hvd.size(),
              100 * accuracy, time.perf_counter() - begin, args.checkpoint)
     return accuracy

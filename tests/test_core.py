@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -162,6 +163,13 @@ def test_launcher_mismatch_is_refused():
     result = _python("import hvddp; hvddp.init()", env={"OMPI_COMM_WORLD_SIZE": "2"})
     assert result.returncode != 0
     assert "LauncherMismatchError" in result.stderr and "OMPI_COMM_WORLD_SIZE=2" in result.stderr, result.stderr
+
+
+def test_numpy_example_matches_one_process():
+    out = run(2, [os.path.join(ROOT, "examples", "numpy_least_squares.py"), "--steps", "500"], timeout=60).stdout
+    match = re.search(r"ranks: 2  distributed MSE: ([0-9.]+)  closed form: ([0-9.]+)  max \|w - one process\|: "
+                      r"(\S+)  replicas identical: (\w+)", out)
+    assert match and float(match.group(3)) < 1e-9 and match.group(4) == "True", out
 
 
 def test_log_levels_say_what_the_engine_does():

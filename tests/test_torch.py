@@ -89,8 +89,9 @@ def test_example_pytorch_digits(tmp_path):
     assert checkpoint.exists()
     assert "[rank 1] epoch" not in result.stdout  # logging on rank 0 only
     resumed = run(2, ["examples/pytorch_digits.py", "--checkpoint", str(checkpoint), "--resume",
-                      "--epochs", "13"], timeout=180)
+                      "--epochs", "13", "--lr", "0.002"], timeout=180)
     assert "resumed from" in resumed.stdout and "epoch 13 " in resumed.stdout, resumed.stdout
+    assert "learning rate 0.004 (--lr times 2 ranks)" in resumed.stdout, resumed.stdout  # (the checkpoint's was kept)
     assert "epoch  1 " not in resumed.stdout
     # resumed after its last epoch: no training, and the accuracy reported is the model's (was 0%)
     done = run(2, ["examples/pytorch_digits.py", "--checkpoint", str(checkpoint), "--resume",
