@@ -10,7 +10,7 @@ from hvddp import (Adasum, Average, Max, Min, ProcessSet, Product, Sum, add_proc
                    mpi_threads_supported, nccl_built, rank, remove_process_set, rocm_built, shutdown, size,
                    start_timeline, stop_timeline)
 
-from .functions import local_rank_op, local_size_op, process_set_included_op, rank_op, size_op
+from .functions import broadcast_, local_rank_op, local_size_op, process_set_included_op, rank_op, size_op
 from .ops import (allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
                   grouped_reducescatter, join, reducescatter)
 
@@ -20,6 +20,6 @@ __all__ = [
     "size_op", "local_size_op", "process_set_included_op", "mpi_threads_supported", "mpi_enabled",
     "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built",
     "rocm_built", "Average", "Sum", "Adasum", "Min", "Max", "Product", "allreduce", "grouped_allreduce",
-    "allgather", "grouped_allgather", "broadcast", "alltoall", "reducescatter", "grouped_reducescatter",
+    "allgather", "grouped_allgather", "broadcast", "broadcast_", "alltoall", "reducescatter", "grouped_reducescatter",
     "join", "barrier", "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
 ]
