@@ -390,6 +390,11 @@ def report(directory: str, np_: int, returncode: int, stopped_by: Optional[str] 
             _, _, rank, what = events[0]
             lines.append(f"hvddprun: the first rank to fail: {who(rank)}, which {what}")
             after = events[1:]
+            code = exits.get(rank, {}).get("code") if rank not in failed else None
+            if isinstance(code, int) and returncode != 0:
+                # the failing rank's own code (os._exit(7): 7; 1 for an exit with 0 before it
+                # finished), not the launcher's (hydra's: the signal it stopped the others with, 9)
+                returncode = code if code > 0 else 128 - code if code < 0 else 1
         lines += [f"hvddprun: then {who(rank)} {what}" for _, _, rank, what in after]
         lines.append("hvddprun: the job was aborted.")
         if vanished:
