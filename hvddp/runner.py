@@ -567,13 +567,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         shutil.rmtree(status_dir, ignore_errors=True)
 
 
-def _in_terminal_foreground() -> bool:
-    """Whether this process leads the foreground group of a terminal (so Ctrl-C there also
-    reaches mpiexec, started in the same group)."""
+def _launcher_setup() -> None:  # runs in mpiexec between fork and exec
+    """The launcher dies with hvddprun (SIGTERM, so it stops the ranks) when hvddprun is killed."""
     try:
-        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
-    except (OSError, ValueError, AttributeError):  # no terminal, or no stdin
-        return False
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:  # not Linux
+        pass
 
 
 _WATCH_S = 0.25  # how often hvddprun looks at the ranks' status while the launcher runs
@@ -584,7 +585,11 @@ def _run(cmd: List[str], status_dir: str, np_: int, monitored: bool = True) -> i
     full_env = dict(os.environ)
     full_env[_faults.STATUS_DIR_VARIABLE] = status_dir
     try:
-        proc = subprocess.Popen(cmd, env=full_env)
+        # in a session of its own: a signal reaches it once, as hvddprun passes it on. In
+        # hvddprun's group it also got what was sent to the group (a terminal's Ctrl-C, `timeout`,
+        # kill -- -PGID) and then hvddprun's copy: the ranks' handlers ran twice, and a second
+        # SIGINT is hydra's "abort now". (In another session it still reads the terminal for rank 0.)
+        proc = subprocess.Popen(cmd, env=full_env, start_new_session=True, preexec_fn=_launcher_setup)
     except OSError as exc:
         print(f"hvddprun: cannot start {cmd[0]}: {exc}", file=sys.stderr)
         return 127
@@ -593,15 +598,12 @@ def _run(cmd: List[str], status_dir: str, np_: int, monitored: bool = True) -> i
 
     def forward(signum, _frame):
         stopped_by.append(signal.Signals(signum).name)
-        if signum == signal.SIGINT and from_terminal:  # a terminal's Ctrl-C reached mpiexec too
-            return  # (one process group); a SIGINT sent to hvddprun alone is passed on
         try:
             proc.send_signal(signum)
         except OSError:
             pass
 
     started = time.time()
-    from_terminal = _in_terminal_foreground()
     # SIGINT too gets a handler rather than a KeyboardInterrupt, which could land anywhere in the
     # loop below (in the status check, say), escape it and leave the launcher running unwatched
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}

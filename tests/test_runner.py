@@ -267,6 +267,36 @@ def test_check_build_reports_library_threads_and_frameworks():
     assert ("[X] NCCL" in out) == (importlib.util.find_spec("cupy") is not None and "[X] CuPy" in out), out
 
 
+def test_a_killed_hvddprun_takes_the_job_with_it():
+    """The launcher runs in a session of its own (so that it gets each signal once, from
+    hvddprun), and dies with hvddprun: a SIGKILL to hvddprun alone leaves no rank running."""
+    import signal
+
+    script = ("import os, time, hvddp; hvddp.init(); print(f'rank-is-up pid {os.getpid()}', flush=True); "
+              "time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-m", "hvddp.runner", "-np", "2", "python", "-c", script],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    ranks = []
+    try:
+        while len(ranks) < 2:
+            line = proc.stdout.readline()
+            assert line, "hvddprun ended before the ranks were up"
+            ranks += [int(pid) for pid in re.findall(r"rank-is-up pid (\d+)", line)]
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 15
+        while any(os.path.exists(f"/proc/{pid}") for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]
+    finally:
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
 @pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
 def test_a_signal_to_hvddprun_alone_stops_the_job(signame):
     """A SIGINT or SIGTERM sent to hvddprun only (not to the terminal's whole group) reaches the
@@ -303,12 +333,14 @@ def test_a_signal_to_hvddprun_alone_stops_the_job(signame):
             proc.wait()
 
 
-def test_a_rank_gets_a_signal_to_hvddprun_once_and_so_do_its_children():
+@pytest.mark.parametrize("to_group", [False, True], ids=["hvddprun", "its_group"])
+def test_a_rank_gets_a_signal_to_hvddprun_once_and_so_do_its_children(to_group):
     """A rank's own SIGTERM handler (a checkpoint on preemption) runs once: the launcher signals
     the rank monitor's whole process group and the monitor forwarded what it got, so the rank
-    got the signal twice. What the rank started (a DataLoader's workers; here a sleep holding
-    the rank's output) gets it too, and ends (taken out of the group, it outlived the job and
-    hvddprun waited on its output)."""
+    got the signal twice; sent to hvddprun's group (`timeout`, a terminal, kill -- -PGID), the
+    launcher got it from the group and from hvddprun, twice again. What the rank started (a
+    DataLoader's workers; here a sleep holding the rank's output) gets it too, and ends (taken
+    out of the group, it outlived the job and hvddprun waited on its output)."""
     import signal
 
     script = ("import signal, subprocess, time, hvddp; got = []; "
@@ -329,7 +361,10 @@ def test_a_rank_gets_a_signal_to_hvddprun_once_and_so_do_its_children():
             up += line.count("rank-is-up")
             children += [int(pid) for pid in re.findall(r"rank-is-up child (\d+)", line)]
         start = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
+        if to_group:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
         try:
             out, _ = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
