@@ -187,13 +187,17 @@ _FORWARDED_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQ
 _LAUNCHER_STOP_WAIT_S = 3.0  # how long a monitor waits for hydra to stop the job after its rank failed
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def signal_at_parent_death(signum: int = signal.SIGKILL) -> None:  # in a child, between fork and exec
+    """The child gets ``signum`` when its parent dies (Linux' PR_SET_PDEATHSIG)."""
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, signum)
     except Exception:  # not Linux: the launcher's own cleanup has to do
         pass
+
+
+_die_with_parent = signal_at_parent_death  # the rank: SIGKILL
 
 
 def _signals_reach_the_group() -> bool:

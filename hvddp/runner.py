@@ -569,12 +569,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _launcher_setup() -> None:  # runs in mpiexec between fork and exec
     """The launcher dies with hvddprun (SIGTERM, so it stops the ranks) when hvddprun is killed."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:  # not Linux
-        pass
+    _faults.signal_at_parent_death(signal.SIGTERM)
 
 
 _WATCH_S = 0.25  # how often hvddprun looks at the ranks' status while the launcher runs
