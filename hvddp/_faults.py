@@ -254,37 +254,48 @@ def rank_monitor(command: Sequence[str]) -> int:
     """
     directory = os.environ.get(STATUS_DIR_VARIABLE, "")
     rank = next((os.environ[v] for v in _RANK_VARIABLES if os.environ.get(v, "").isdigit()), "?")
+    signals = {getattr(signal, name) for name in _FORWARDED_SIGNALS if hasattr(signal, name)}
+    # blocked from here on and taken with sigtimedwait (Linux), which says who sent each; the
+    # rank unblocks them before its exec
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals | {signal.SIGCHLD})
+
+    def child_setup():
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals | {signal.SIGCHLD})
+        _die_with_parent()
+
     try:
-        child = subprocess.Popen(list(command), close_fds=False, preexec_fn=_die_with_parent)
+        child = subprocess.Popen(list(command), close_fds=False, preexec_fn=child_setup)
     except OSError as exc:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals | {signal.SIGCHLD})
         print(f"hvddprun: rank {rank}: cannot start {command[0]!r}: {exc}", file=sys.stderr)
         return 127
 
     stopped = []  # signals the launcher (or the user) sent: the rank did not fail by itself
     # The rank stays in this monitor's process group, so that a launcher's kill of the group
     # also ends what the rank started (a DataLoader's workers). Hydra's proxy makes each monitor
-    # a group leader and signals the whole group: the rank has the signal already, and a
-    # forwarded copy ran its SIGTERM handler twice. Other launchers may signal the monitor alone.
-    group_signalled = _signals_reach_the_group()
+    # a group leader and signals the whole group: the rank has the signal already (a forwarded
+    # copy ran its SIGTERM handler twice), so what the proxy sends is not passed on. What anyone
+    # else sends to the monitor alone is, as is everything under other launchers, which may
+    # signal the monitor alone.
+    proxy = os.getppid() if _signals_reach_the_group() else None
+    code = None
+    while code is None:
+        info = signal.sigtimedwait(signals | {signal.SIGCHLD}, 1.0)  # 1 s: a missed SIGCHLD
+        if info is not None and info.si_signo != signal.SIGCHLD:
+            stopped.append(info.si_signo)
+            if info.si_pid != proxy:
+                try:
+                    child.send_signal(info.si_signo)
+                except OSError:
+                    pass
+        code = child.poll()
 
-    def forward(signum, _frame):
+    def note(signum, _frame):  # the rank has ended: a signal now is the launcher stopping the job
         stopped.append(signum)
-        if group_signalled:
-            return
-        try:
-            child.send_signal(signum)
-        except OSError:
-            pass
 
-    for name in _FORWARDED_SIGNALS:
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), forward)
-    while True:
-        try:
-            code = child.wait()
-            break
-        except InterruptedError:  # pragma: no cover - Python retries, but be safe
-            continue
+    for signum in signals:
+        signal.signal(signum, note)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, signals | {signal.SIGCHLD})
     started = os.path.exists(os.path.join(directory, f"rank-{rank}.start")) if directory else False
     finished = os.path.exists(os.path.join(directory, f"rank-{rank}.done")) if directory else True
     failed = os.path.exists(os.path.join(directory, f"rank-{rank}.failed")) if directory else False

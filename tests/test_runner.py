@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -272,18 +273,21 @@ def test_a_killed_hvddprun_takes_the_job_with_it():
     hvddprun), and dies with hvddprun: a SIGKILL to hvddprun alone leaves no rank running."""
     import signal
 
-    script = ("import os, time, hvddp; hvddp.init(); print(f'rank-is-up pid {os.getpid()}', flush=True); "
-              "time.sleep(60)")
+    script = ("import os, time, hvddp; hvddp.init(); "
+              f"print(f'rank-is-up pid {{os.getpid()}} in {{os.environ[\"{_faults.STATUS_DIR_VARIABLE}\"]}}', "
+              "flush=True); time.sleep(60)")
     started = time.time()
     proc = subprocess.Popen([sys.executable, "-m", "hvddp.runner", "-np", "2", "python", "-c", script],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    ranks = []
+    ranks, status_dirs = [], set()
     try:
         while len(ranks) < 2:
             line = proc.stdout.readline()
             assert line, "hvddprun ended before the ranks were up"
-            ranks += [int(pid) for pid in re.findall(r"rank-is-up pid (\d+)", line)]
+            for pid, directory in re.findall(r"rank-is-up pid (\d+) in (\S+)", line):
+                ranks.append(int(pid))
+                status_dirs.add(directory)
         proc.kill()
         proc.wait()
         deadline = time.monotonic() + 15
@@ -296,7 +300,10 @@ def test_a_killed_hvddprun_takes_the_job_with_it():
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-        _faults.remove_leaked_shm(started)  # (the killed ranks' MPICH segment; hvddprun died first)
+        # what hvddprun, killed first, cannot remove: its status folder, the ranks' MPICH segment
+        for directory in status_dirs:
+            shutil.rmtree(directory, ignore_errors=True)
+        _faults.remove_leaked_shm(started)
 
 
 @pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
@@ -335,38 +342,48 @@ def test_a_signal_to_hvddprun_alone_stops_the_job(signame):
             proc.wait()
 
 
-@pytest.mark.parametrize("to_group", [False, True], ids=["hvddprun", "its_group"])
-def test_a_rank_gets_a_signal_to_hvddprun_once_and_so_do_its_children(to_group):
+@pytest.mark.parametrize("to", ["hvddprun", "its_group", "the_rank_monitors"])
+def test_a_rank_gets_a_signal_to_hvddprun_once_and_so_do_its_children(to):
     """A rank's own SIGTERM handler (a checkpoint on preemption) runs once: the launcher signals
     the rank monitor's whole process group and the monitor forwarded what it got, so the rank
     got the signal twice; sent to hvddprun's group (`timeout`, a terminal, kill -- -PGID), the
     launcher got it from the group and from hvddprun, twice again. What the rank started (a
     DataLoader's workers; here a sleep holding the rank's output) gets it too, and ends (taken
-    out of the group, it outlived the job and hvddprun waited on its output)."""
+    out of the group, it outlived the job and hvddprun waited on its output). Sent to a rank's
+    monitor alone (`kill` of a pid from `ps`), it reaches the rank once (the monitor passed on
+    nothing under hydra, and the rank never got it)."""
     import signal
 
-    script = ("import signal, subprocess, time, hvddp; got = []; "
+    script = ("import os, signal, subprocess, time, hvddp; got = []; "
               "signal.signal(signal.SIGTERM, lambda *a: got.append(1)); "
               "child = subprocess.Popen(['sleep', '60']); "
-              "hvddp.init(); print(f'rank-is-up child {child.pid}', flush=True); end = time.time() + 60\n"
+              "hvddp.init(); print(f'rank-is-up child {child.pid} monitor {os.getppid()}', flush=True)\n"
+              "end = time.time() + 60\n"
               "while time.time() < end and not got: time.sleep(0.05)\n"
               "time.sleep(2); print(f'rank {hvddp.rank()} got {len(got)}', flush=True)")
     proc = subprocess.Popen([sys.executable, "-m", "hvddp.runner", "-np", "2", "python", "-c", script],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    children = []
+    children, monitors = [], []
     try:
         up = 0
         while up < 2:
             line = proc.stdout.readline()
             assert line, "hvddprun ended before the ranks were up"
             up += line.count("rank-is-up")
-            children += [int(pid) for pid in re.findall(r"rank-is-up child (\d+)", line)]
+            for child, monitor in re.findall(r"rank-is-up child (\d+) monitor (\d+)", line):
+                children.append(int(child))
+                monitors.append(int(monitor))
         start = time.monotonic()
-        if to_group:
+        if to == "its_group":
             os.killpg(proc.pid, signal.SIGTERM)
-        else:
+        elif to == "hvddprun":
             proc.send_signal(signal.SIGTERM)
+        else:
+            for monitor in monitors:
+                os.kill(monitor, signal.SIGTERM)
+            for child in children:  # the rank alone is signalled: its children are not ours to test
+                os.kill(child, signal.SIGKILL)
         try:
             out, _ = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
