@@ -47,6 +47,7 @@ _rank = -1
 _size = 0
 _status_dir: Optional[str] = None
 _broken: Optional[str] = None
+_pid = 0  # the rank's: a process forked from it (a DataLoader's worker) is not the rank
 
 
 def installed() -> bool:
@@ -66,7 +67,7 @@ def install(world=None) -> bool:
     Returns:
         True if the hook is installed (world size > 1), False otherwise.
     """
-    global _installed, _rank, _size, _status_dir
+    global _installed, _rank, _size, _status_dir, _pid
     with _lock:
         if _installed:
             return True
@@ -84,6 +85,8 @@ def install(world=None) -> bool:
             _abort_on_exception(previous, etype, value, tb, world)
 
         sys.excepthook = hook
+        _pid = os.getpid()
+        os.register_at_fork(after_in_child=_forked_from_the_rank)
         _status_dir = os.environ.get(STATUS_DIR_VARIABLE) or None
         if _status_dir:
             _write_status("start", {"rank": _rank, "size": _size, "pid": os.getpid(),
@@ -93,6 +96,23 @@ def install(world=None) -> bool:
         atexit.register(_at_exit, world)
         _installed = True
         return True
+
+
+def _forked_from_the_rank() -> None:
+    """In a process forked from a rank (a DataLoader's or a fork Pool's worker): close its copy of
+    the rank's PMI socket (MPICH's PMI_FD).
+
+    Hydra ends the job when that socket closes before the rank finalized; a worker holding a copy
+    kept a killed rank's job running until the worker noticed and exited (5 s for a DataLoader's),
+    and a worker's own PMI traffic (MPI_Finalize at its exit) would be read as the rank's. The
+    rank's abort-on-exception and exit hooks do nothing in such a process either.
+    """
+    fd = os.environ.get("PMI_FD", "")
+    if fd.isdigit():
+        try:
+            os.close(int(fd))
+        except OSError:
+            pass
 
 
 def world_broken(reason: str) -> None:
@@ -109,6 +129,8 @@ def world_broken(reason: str) -> None:
 
 
 def _at_exit(world) -> None:
+    if os.getpid() != _pid:  # a process forked from the rank
+        return
     if _broken is None:
         if _status_dir:
             _write_status("done", {"rank": _rank})
@@ -122,6 +144,9 @@ def _at_exit(world) -> None:
 
 
 def _abort_on_exception(previous, etype, value, tb, world) -> None:
+    if os.getpid() != _pid:  # a process forked from the rank: its exception ends it alone
+        previous(etype, value, tb)
+        return
     text = ""
     try:
         text = "".join(traceback.format_exception(etype, value, tb))

@@ -92,6 +92,17 @@ def test_rank_dies_mid_collective_under_mpiexec(mode):
     assert elapsed < 30, f"took {elapsed:.1f} s\n{out}"
 
 
+def test_a_killed_rank_with_forked_workers_ends_the_job_at_once():
+    """A rank's forked workers (a DataLoader's) held copies of its PMI socket, so hydra saw a
+    killed rank end only when the workers had (5 s for a DataLoader's, 60 s for this worker)."""
+    if _family() != "mpich":
+        pytest.skip(f"the PMI socket is MPICH's; this MPI: {_family()}")
+    result, elapsed = _timed(2, [SCRIPT, "sigkill_forked"], timeout=90)
+    out = result.stdout
+    assert result.returncode != 0 and "rank 0: finished" not in out, out
+    assert elapsed < 10, f"took {elapsed:.1f} s\n{out}"
+
+
 @pytest.mark.parametrize("mode, what, code", [("sigkill", "was killed by signal 9 (SIGKILL)", 137),
                                               ("exit3", "exited with code 3", 3),
                                               ("exit0", "exited with code 0 without finishing", 1)])

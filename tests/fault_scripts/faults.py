@@ -8,6 +8,8 @@ Modes (rank 1 misbehaves at step 3 while rank 0 waits in a collective):
   raise_raw rank 1 raises; rank 0 waits outside hvddp, in a raw MPI bcast from rank 1 (this one
             hangs forever unless something aborts the job)
   sigkill   rank 1 sends itself SIGKILL
+  sigkill_forked  rank 1 forks a worker (as a DataLoader does; it sleeps 60 s) and then sends
+            itself SIGKILL
   exit0     rank 1 calls os._exit(0)
   exit3     rank 1 calls os._exit(3)
   skip      rank 1 skips step 3's allreduce (stall)
@@ -52,6 +54,9 @@ if "--patch-engine" in sys.argv:  # what the core request asks Engine._stop_with
 rank, size = hvddp.rank(), hvddp.size()
 say(f"rank {rank}: started pid {os.getpid()} installed={hvddp._faults.installed()}")
 start = time.monotonic()
+if mode == "sigkill_forked" and rank == 1 and os.fork() == 0:
+    time.sleep(60)  # a worker: it ends with os._exit, as multiprocessing's do
+    os._exit(0)
 if mode == "oom":  # rank 1 cannot allocate an allgather's output: it fails alone, before MPI
     from hvddp.engine import executor
 
@@ -84,7 +89,7 @@ try:
             say(f"rank 1: misbehaving ({mode}) at step {step}")
             if mode in ("raise", "raise_raw"):
                 raise RuntimeError(f"boom on rank 1 at step {step}")
-            if mode == "sigkill":
+            if mode in ("sigkill", "sigkill_forked"):
                 os.kill(os.getpid(), signal.SIGKILL)
             if mode == "exit0":
                 os._exit(0)
