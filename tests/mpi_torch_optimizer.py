@@ -953,6 +953,54 @@ def test_a_gradient_changed_before_it_was_averaged_is_an_error_and_the_recipe_wo
     assert_replicas_identical(model, "clip.recipe")
 
 
+class Joined(torch.nn.Module):
+    """ViT-style position embeddings: two parameters joined by torch.cat. Autograd hands out
+    their gradients as pieces of one buffer, which share a version counter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos_cls = torch.nn.Parameter(torch.randn(1, 1, 6) * 0.1)
+        self.pos_patch = torch.nn.Parameter(torch.randn(1, 2, 6) * 0.1)
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, x):  # x: (rows, 6) -> three tokens each
+        tokens = x[:, None, :] + torch.cat([self.pos_cls, self.pos_patch], 1)
+        return self.head(tokens).mean(1)
+
+
+@pytest.mark.parametrize("bpps, set_to_none", [(1, True), (2, True), (1, False)])
+def test_gradients_sharing_one_buffer_are_not_taken_for_modified(bpps, set_to_none):
+    """Adding into one such gradient (a second backward pass, or accumulating into zeroed
+    gradients) bumped the other's version too, and step() raised "modified in place" on every
+    rank although nothing touched it; Horovod and one process train on. Still refused: such a
+    gradient replaced before it was averaged."""
+    torch.manual_seed(0)
+    ref = Joined()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(), backward_passes_per_step=bpps)
+    for step in range(3):
+        ref_opt.zero_grad(set_to_none=set_to_none)
+        opt.zero_grad(set_to_none=set_to_none)
+        for micro in range(bpps):
+            x, y = batch(step, micro)
+            sum(F.mse_loss(ref(shard(x, s)), shard(y, s)) for s in range(N)).div(N).backward()
+            F.mse_loss(model(shard(x)), shard(y)).backward()
+        ref_opt.step()
+        opt.step()
+    assert_parity(model, ref)
+    assert_replicas_identical(model, f"joined.{bpps}.{set_to_none}")
+    if N > 1 and bpps == 1:
+        opt.zero_grad(set_to_none=set_to_none)
+        x, y = batch(9)
+        F.mse_loss(model(shard(x)), shard(y)).backward()
+        model.pos_cls.grad = model.pos_cls.grad.clamp(-0.01, 0.01)
+        with pytest.raises(hvd.HvddpError, match=r"'pos_cls' was modified in place or replaced"):
+            opt.step()
+        opt.zero_grad()
+
+
 @pytest.mark.parametrize("how", ["scaler.step", "synchronize+unscale_", "unscale_ first"])
 def test_grad_scaler_steps_on_the_average_and_skips_alike(how):
     """torch.amp.GradScaler: scaler.step(optimizer) unscales and checks for inf/NaN on the

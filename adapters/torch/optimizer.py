@@ -112,6 +112,19 @@ _MODIFIED_IN_FLIGHT = (
     "also after scaler.unscale_(optimizer) if optimizer.synchronize() came first.")
 
 
+def _version(grad: torch.Tensor) -> Optional[int]:
+    """The gradient's version counter, or None when it shares its memory's counter with others.
+
+    Autograd can hand out the pieces of one buffer as gradients (torch.cat's backward over
+    parameters), and a user can make gradients views of one flat buffer: adding into a sibling
+    then bumps this gradient's version too, which is not a change of it. Such a gradient is
+    checked for being replaced only.
+    """
+    if grad.layout == torch.strided and grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():
+        return None
+    return grad._version
+
+
 class _Flight:
     """One submitted reduction (a parameter, or a group of them) and how to finish it."""
 
@@ -123,11 +136,12 @@ class _Flight:
         self.items = items  # (param, tensor sent, compression ctx, sparse); None: in place on p.grad
         self.grouped = grouped
         # (name, parameter, gradient) reduced in the gradient's memory, with its version then
-        self.watch = [(name, p, t, t._version) for name, p, t in watch]
+        self.watch = [(name, p, t, _version(t)) for name, p, t in watch]
 
     def finish(self, compression: Compressor) -> None:
         # (looked at before the wait: an in-place op of the adapter counts a version at its end)
-        modified = [name for name, p, t, version in self.watch if t._version != version or p.grad is not t]
+        modified = [name for name, p, t, version in self.watch
+                    if p.grad is not t or (version is not None and t._version != version)]
         result = self.handle.wait()
         if modified:
             raise HvddpError(_MODIFIED_IN_FLIGHT.format(name=modified[0]))
@@ -272,7 +286,7 @@ class _DistributedOptimizer(WrapperCommon):
         self._hvddp_touched.add(p)
         if delay or (self._hvddp_defer_cpu and p.device.type == "cpu"):
             if not delay and p.grad is not None:  # deferred: synchronize() submits it with the rest,
-                self._hvddp_versions[p] = (p.grad, p.grad._version)  # and checks nothing changed it
+                self._hvddp_versions[p] = (p.grad, _version(p.grad))  # and checks nothing changed it
             return
         gi = self._hvddp_group_of.get(p)
         if gi is None:
@@ -394,7 +408,7 @@ class _DistributedOptimizer(WrapperCommon):
         if self._hvddp_frozen:
             self._hvddp_adopt_unfrozen()
         modified = [self._hvddp_names[p] for p, (g, v) in self._hvddp_versions.items()
-                    if p.grad is not g or g._version != v]
+                    if p.grad is not g or (v is not None and g._version != v)]
         self._hvddp_versions.clear()
         # a parameter frozen since it was wrapped, without a gradient, is left alone as in one
         # process (zeros would still move it through momentum or weight decay); every rank froze it
