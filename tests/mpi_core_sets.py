@@ -133,6 +133,22 @@ if after.included():
     assert hvddp.allreduce(np.full(1, float(rank)), name="after.refusal", op=hvddp.Sum, process_set=after).tolist() == [2.0]
 hvddp.remove_process_set(after)
 
+# 6b. a set's collectives do not wait on a rank outside it that calls nothing: every cycle is
+# world-wide, and the idle outsider slept 50 ms between its cycles (54 ms per allreduce on [1, 2])
+busy = hvddp.add_process_set([1, 2])
+if busy.included():
+    x = np.ones(4)
+    for _ in range(3):
+        hvddp.allreduce(x, name="busy.w", process_set=busy)
+    start = time.monotonic()
+    for _ in range(40):
+        hvddp.allreduce(x, name="busy.w", process_set=busy)
+    took = time.monotonic() - start
+    assert took < 1.0, f"40 allreduces on the set [1, 2] took {took:.2f} s while rank 0 called nothing"
+else:
+    time.sleep(1.5)  # in its own code
+hvddp.remove_process_set(busy)
+
 # 7. copies and pickles: one registered set per process
 assert copy.deepcopy(s) is s and copy.copy(s) is s
 assert pickle.loads(pickle.dumps(s)) is s

@@ -38,7 +38,12 @@ log = logging.getLogger("hvddp")
 NEW, BIT, UNSENT, SENT = 0, 1, 2, 3
 FLAG_NO_UNSENT = 0x01
 FLAG_NOT_SHUTDOWN = 0x02
+# The other six bits: cleared by a rank with work pending in a process set smaller than the
+# world, bit 2 + (the set's id % 6). A rank outside such a set never submits to it, so nothing
+# would wake it from its idle wait while the set's members wait in every cycle for it.
+FLAG_SET_WORK_SHIFT, FLAG_SET_WORK_BITS = 2, 6
 IDLE_WAIT_S = 0.05
+EAGER_S = 1.0  # how long an outsider keeps cycling without idle waits after it last saw such work
 TRACE = 5  # HVDDP_LOG_LEVEL=TRACE: a line per cycle that ran collectives
 SHUTDOWN_GRACE_CYCLES = 8  # cycles a shutdown waits at most for negotiations in flight
 
@@ -83,6 +88,7 @@ class Engine:
         self._join_mode = False
         self._shutdown_requested = False
         self._shutdown_cycles = 0
+        self._eager_until = 0.0  # cycle without idle waits until then: a set without us has work
         self._error: Optional[HvddpError] = None  # set once the engine has stopped
         self._bits = np.zeros(1 + (config.cache_capacity + 7) // 8, dtype=np.uint8)
         self._want = np.zeros(((config.cache_capacity + 7) // 8) * 8, dtype=bool)
@@ -227,10 +233,13 @@ class Engine:
             while True:
                 with self._lock:
                     idle = not self._queue and not self._pending and not self._shutdown_requested
-                    if idle:  # a request after idleness starts a cycle at once
+                    if idle and time.monotonic() >= self._eager_until:
+                        # a request after idleness starts a cycle at once
                         self._sleeping = True
                         self._cv.wait(IDLE_WAIT_S)
                         self._sleeping = False
+                    else:
+                        idle = False
                 if not idle:  # a busy engine lets requests gather for fusion
                     wait = last + cycle_s - time.monotonic()
                     if wait > 0:
@@ -264,6 +273,9 @@ class Engine:
             flags &= ~FLAG_NO_UNSENT
         if shutdown:
             flags &= ~FLAG_NOT_SHUTDOWN
+        for ps_id in {entry.request.ps_id for entry in self._pending.values()}:
+            if ps_id and self._is_subset(ps_id):
+                flags &= ~(1 << (FLAG_SET_WORK_SHIFT + ps_id % FLAG_SET_WORK_BITS))
         bits = self._bits
         bits[0] = flags
         if self.cache.capacity:
@@ -276,6 +288,9 @@ class Engine:
             bits[1:] = np.packbits(want)
         mpi_backend.wait(self.comm.Iallreduce(MPI.IN_PLACE, [bits, MPI.UINT8_T], MPI.BAND))
         flags = int(bits[0])
+        set_work = ~flags & (((1 << FLAG_SET_WORK_BITS) - 1) << FLAG_SET_WORK_SHIFT)
+        if set_work and self._outside_a_set_with(set_work):
+            self._eager_until = time.monotonic() + EAGER_S
         # A rank asked to shut down: agreed work still runs, and while some rank has requests
         # to negotiate, a few more cycles run (so a refusal its peers wait on reaches them as
         # the MismatchError it is, not as a ShutdownError, also when it first evicts their
@@ -365,6 +380,17 @@ class Engine:
                 entry.slot = slot
                 entry.cache_version = version
         return unsent
+
+    def _is_subset(self, ps_id: int) -> bool:
+        ps = self.process_sets.get(ps_id)
+        return ps is not None and ps.size < self.size
+
+    def _outside_a_set_with(self, set_work: int) -> bool:
+        """Whether this rank is outside a process set whose flag bit is in ``set_work``."""
+        for ps_id, ps in list(self.process_sets.items()):
+            if ps.rank < 0 and set_work >> (FLAG_SET_WORK_SHIFT + ps_id % FLAG_SET_WORK_BITS) & 1:
+                return True
+        return False
 
     def _refresh_nonmember(self) -> None:
         if self._nonmember_version == self.cache.version:
