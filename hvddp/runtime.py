@@ -637,11 +637,12 @@ def cuda_built() -> bool:
     return _cuda_built()
 
 
-def nccl_built() -> bool:
-    """Return True if CuPy's NCCL binding loads and a CUDA device is visible."""
-    from .backends.device import nccl_built as _nccl_built
+def nccl_built() -> int:
+    """Return NCCL's version code (e.g. 22105 for 2.21.5) if CuPy's NCCL binding loads and a CUDA
+    device is visible, else 0: an int, as Horovod's (true when NCCL is there)."""
+    from .backends.device import nccl_version
 
-    return _nccl_built()
+    return nccl_version()
 
 
 def gloo_built() -> bool:

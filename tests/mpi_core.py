@@ -610,6 +610,7 @@ def test_runtime_queries():
     assert hvddp.mpi_built() and hvddp.mpi_enabled()
     assert hvddp.mpi_threads_supported()
     assert not hvddp.cuda_built() and not hvddp.nccl_built()
+    assert type(hvddp.nccl_built()) is int  # Horovod's: NCCL's version code, or 0
     assert hvddp.allgather_object(hvddp.rank()) == list(range(N))
     hvddp.init()  # idempotent
     assert hvddp.size() == N
