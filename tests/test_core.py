@@ -232,17 +232,32 @@ def test_timeline_is_valid_chrome_trace(tmp_path):
     assert begins == ends > 0
 
 
-def test_timeline_reaches_the_file_as_written_and_a_write_error_only_stops_it(tmp_path, caplog):
-    """Events are on disk as they are written (a killed job keeps its trace up to there); a
-    write that fails (a full disk) stops the timeline with one logged error, not the engine."""
+def test_timeline_reaches_the_file_at_each_flush_and_a_write_error_only_stops_it(tmp_path, caplog):
+    """Events are on disk once flushed (the engine flushes every cycle: a killed job keeps its
+    trace up to its last cycle); a write that fails (a full disk) stops the timeline with one
+    logged error, not the engine. A row per kind of operation on a name, a join's row named
+    as a join, and nothing kept per name once its spans have ended."""
     from hvddp.timeline import Timeline
 
     path = tmp_path / "live.json"
     timeline = Timeline(0)
     timeline.start(str(path))
     timeline.negotiate_start((0, "grad"), "allreduce")
+    timeline.flush()
     on_disk = path.read_text()  # not closed: what a killed job would leave
     assert "NEGOTIATE_ALLREDUCE" in on_disk and "allreduce.grad" in on_disk, on_disk
+    timeline.activities([(0, "grad")], "MPI_ALLREDUCE")
+    timeline.end([(0, "grad")])
+    timeline.negotiate_start((0, "grad"), "broadcast")  # the same name, another kind: its own row
+    timeline.activity((0, "grad"), "MPI_BROADCAST")
+    timeline.end([(0, "grad")])
+    timeline.activity((0, "__join__"), "MPI_JOIN")  # not negotiated
+    timeline.end([(0, "__join__")])
+    assert not timeline._open_spans
+    timeline.flush()
+    rows = [json.loads(line.rstrip(",\n"))["args"]["name"] for line in path.read_text().splitlines()
+            if '"process_name"' in line]
+    assert rows == ["hvddp engine", "allreduce.grad", "broadcast.grad", "join.__join__"], rows
 
     class Full:
         def write(self, text):

@@ -81,9 +81,12 @@ def test_bad_variable_on_one_rank_raises_on_every_rank_at_init():
 
 
 @pytest.mark.parametrize("mode", ["sigkill", "exit3"])
-def test_rank_dies_mid_collective_under_mpiexec(mode):
-    result, elapsed = _timed(2, [SCRIPT, mode], timeout=60)
+def test_rank_dies_mid_collective_under_mpiexec(mode, tmp_path):
+    """... and rank 0's timeline keeps what its engine's last cycles did (flushed every cycle)."""
+    path = tmp_path / "timeline.json"
+    result, elapsed = _timed(2, [SCRIPT, mode], timeout=60, env={"HVDDP_TIMELINE": str(path)})
     out = result.stdout
+    assert '"name": "allreduce.grad.step2"' in path.read_text(), out
     assert result.returncode != 0, out
     assert "rank 0: finished" not in out, out
     if mode == "sigkill":  # hydra names a pid of the job (not always the culprit's) and the signal

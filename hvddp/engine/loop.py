@@ -245,7 +245,10 @@ class Engine:
                     if wait > 0:
                         time.sleep(wait)
                 last = time.monotonic()
-                if not self._cycle(last):
+                going_on = self._cycle(last)
+                if self.timeline:  # the cycle's events reach the file (a killed job keeps them)
+                    self.timeline.flush()
+                if not going_on:
                     return
         except BaseException as exc:  # never die silently: fail every waiting handle
             log.exception("hvddp engine failed on rank %d", self.rank)
