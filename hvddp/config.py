@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable, Mapping, Optional
+from typing import Callable, List, Mapping, Optional
 
 __all__ = ["Config", "from_env", "VARIABLES"]
 
@@ -116,6 +116,26 @@ VARIABLES: Mapping[str, tuple] = {
     "CMA_THRESHOLD": ("cma_threshold_bytes", _int(0)),
     "OVERLAP": ("overlap", _auto_bool),
 }
+
+
+# hvddp's own, not settings: hvddprun's channel to its ranks, and its tests' and benchmarks' switches
+_NOT_SETTINGS = ("HVDDP_RUNNER_STATUS_DIR", "HVDDP_TEST_", "HVDDP_FAKE_", "HVDDP_GPU_CHECK_")
+
+
+def ignored(environ: Optional[Mapping[str, str]] = None) -> List[str]:
+    """The ``HVDDP_*`` and ``HOROVOD_*`` variables set in ``environ`` that set nothing in hvddp.
+
+    A Horovod user's ``HOROVOD_HIERARCHICAL_ALLREDUCE``, ``HOROVOD_AUTOTUNE`` or a misspelt
+    ``HVDDP_FUSION_THRESHOLDS`` would otherwise be ignored without a word.
+    """
+    environ = os.environ if environ is None else environ
+    names = []
+    for name in environ:
+        for prefix in ("HVDDP_", "HOROVOD_"):
+            if (name.startswith(prefix) and name[len(prefix):] not in VARIABLES
+                    and not name.startswith(_NOT_SETTINGS)):
+                names.append(name)
+    return sorted(names)
 
 
 def _lookup(environ: Mapping[str, str], suffix: str) -> Optional[tuple]:

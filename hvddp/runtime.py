@@ -339,6 +339,10 @@ def init(comm=None, process_sets: Union[None, str, Sequence[ProcessSet]] = None)
         state.size = state.comm.Get_size()
         state.thread_level = MPI.Query_thread()
         _logging.configure(cfg.log_level, state.rank)
+        unknown = _config.ignored()
+        if unknown and state.rank == 0:
+            _logging.log.warning("these environment variables set nothing in hvddp and are ignored: %s "
+                                 "(its settings: README.md, 'Environment variables')", ", ".join(unknown))
         if state.thread_level < MPI.THREAD_SERIALIZED and state.size > 1:
             raise BackendUnavailableError(
                 "MPI was initialized without thread support (need MPI_THREAD_SERIALIZED or better, "

@@ -159,6 +159,22 @@ def test_horovod_names_are_aliases():
     assert result.stdout.split() == ["2.5", "2000"], result
 
 
+def test_variables_that_set_nothing_are_named_once_by_rank_0():
+    """A Horovod user's HOROVOD_HIERARCHICAL_ALLREDUCE or a misspelt HVDDP_ name was ignored
+    without a word; the known names under either prefix, and hvddp's own channels, are quiet."""
+    env = {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "HVDDP_FUSION_THRESHOLDS": "5", "HOROVOD_CYCLE_TIME": "2",
+           "HVDDP_CACHE_CAPACITY": "64", "HVDDP_RUNNER_STATUS_DIR": ""}
+    out = run(2, ["-c", "import hvddp; hvddp.init(); hvddp.barrier()"], timeout=60, env=env,
+              python_module_mpi4py=False).stdout
+    warning = ("WARNING: these environment variables set nothing in hvddp and are ignored: "
+               "HOROVOD_HIERARCHICAL_ALLREDUCE, HVDDP_FUSION_THRESHOLDS (its settings: README.md, "
+               "'Environment variables')")
+    assert out.count(warning) == 1 and "[hvddp rank 0] " + warning in out, out
+    from hvddp import config
+
+    assert config.ignored({"HOROVOD_FUSION_THRESHOLD": "1", "HVDDP_OVERLAP": "0", "PATH": "/bin"}) == []
+
+
 def test_launcher_mismatch_is_refused():
     result = _python("import hvddp; hvddp.init()", env={"OMPI_COMM_WORLD_SIZE": "2"})
     assert result.returncode != 0
