@@ -146,6 +146,12 @@ def _lookup(environ: Mapping[str, str], suffix: str) -> Optional[tuple]:
     return None
 
 
+def variable_name(suffix: str, environ: Optional[Mapping[str, str]] = None) -> str:
+    """The name a setting was given under (``HOROVOD_`` or ``HVDDP_``; ``HVDDP_`` if unset)."""
+    found = _lookup(os.environ if environ is None else environ, suffix)
+    return found[0] if found else "HVDDP_" + suffix
+
+
 def from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
     """Parse the ``HVDDP_*`` (or ``HOROVOD_*``) variables into a ``Config``.
 

@@ -360,7 +360,7 @@ def init(comm=None, process_sets: Union[None, str, Sequence[ProcessSet]] = None)
             part = state.size < world.Get_size() and world.Get_rank() != 0  # (see from_config)
             state.timeline = Timeline.from_config(cfg, state.rank, f".world{world.Get_rank()}" if part else "")
         except OSError as exc:  # rank 0 opens the file; every rank must fail alike
-            variable = (_config._lookup(os.environ, "TIMELINE") or ("HVDDP_TIMELINE",))[0]  # (or its alias)
+            variable = _config.variable_name("TIMELINE")  # (or its alias)
             problem = (f"environment variable {variable}={cfg.timeline!r} is not usable on rank 0: "
                        f"{exc}. Fix or unset {variable}.")
         problem = state.comm.bcast(problem, root=0)

@@ -245,10 +245,11 @@ def test_stall_shutdown_while_cached_collectives_keep_running():
     assert elapsed < 20, f"took {elapsed:.1f} s\n{out}"
 
 
-@pytest.mark.parametrize("warning", ["on", "off"])
-def test_stall_shutdown_raises_on_every_rank_naming_tensors_and_ranks(warning):
-    """HVDDP_STALL_CHECK_DISABLE=1 turns the warning off, not a shutdown time that was set."""
-    env = {"HVDDP_STALL_CHECK_TIME_SECONDS": "1", "HVDDP_STALL_SHUTDOWN_TIME_SECONDS": "3"}
+@pytest.mark.parametrize("warning, prefix", [("on", "HVDDP_"), ("off", "HOROVOD_")])
+def test_stall_shutdown_raises_on_every_rank_naming_tensors_and_ranks(warning, prefix):
+    """HVDDP_STALL_CHECK_DISABLE=1 turns the warning off, not a shutdown time that was set. The
+    error names the shutdown variable as it was set (it said HVDDP_ for Horovod's name too)."""
+    env = {"HVDDP_STALL_CHECK_TIME_SECONDS": "1", f"{prefix}STALL_SHUTDOWN_TIME_SECONDS": "3"}
     if warning == "off":
         env["HVDDP_STALL_CHECK_DISABLE"] = "1"
     result, elapsed = _timed(2, [SCRIPT, "skip"], env=env, timeout=60)
@@ -260,7 +261,7 @@ def test_stall_shutdown_raises_on_every_rank_naming_tensors_and_ranks(warning):
         assert line is not None, out
         assert "'grad.step3'" in line and "missing on ranks [1]" in line, line
         assert "'grad.step4'" in line and "missing on ranks [0]" in line, line
-        assert "HVDDP_STALL_SHUTDOWN_TIME_SECONDS=3" in line, line
+        assert f"after {prefix}STALL_SHUTDOWN_TIME_SECONDS=3" in line, line
     assert elapsed < 10, f"took {elapsed:.1f} s\n{out}"
 
 

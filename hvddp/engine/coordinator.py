@@ -14,6 +14,7 @@ import logging
 from collections import OrderedDict
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
+from ..config import variable_name
 from ..exceptions import KIND_MISMATCH, REFUSED
 from .messages import JOIN_TOLERANT, Kind, Request, Response, ReduceOp
 
@@ -135,7 +136,7 @@ class Coordinator:
                 floor = min(limit, cfg.stall_check_time_s) if cfg.stall_check_time_s > 0 else limit
                 dead = [(k, w) for k, w in self.table.items() if now - w.first_seen > floor]
                 self._fatal = (self._stall_text(dead, now, "stalled") +
-                               f" Shutting down after HVDDP_STALL_SHUTDOWN_TIME_SECONDS={limit:g}.")
+                               f" Shutting down after {variable_name('STALL_SHUTDOWN_TIME_SECONDS')}={limit:g}.")
 
     def _stall_text(self, late, now: float, word: str) -> str:
         parts = []
