@@ -38,6 +38,7 @@ class Timeline:
         self._open_spans: Dict[tuple, list] = {}  # (process set id, name) -> stack of open span names
         self.mark_cycles = False
         self._kinds: Dict[tuple, str] = {}  # (process set id, name) -> the kind of its last operation
+        self._ready: Dict[tuple, set] = {}  # (process set id, name) -> ranks marked in its open negotiation
 
     @classmethod
     def from_config(cls, config, rank: int, tag: str = "") -> "Timeline":
@@ -72,6 +73,7 @@ class Timeline:
             self._pids = {}
             self._open_spans = {}
             self._kinds = {}
+            self._ready = {}
             self.mark_cycles = mark_cycles
             self._file.write("[\n")
             self._emit({"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "hvddp engine"}})
@@ -99,7 +101,7 @@ class Timeline:
             while stack:
                 self._event(key, "E", stack.pop())
         file, self._file = self._file, None
-        self._pids, self._open_spans, self._kinds = {}, {}, {}
+        self._pids, self._open_spans, self._kinds, self._ready = {}, {}, {}, {}
         if file is None:  # (a write above failed and gave up the file)
             return
         try:
@@ -174,10 +176,15 @@ class Timeline:
 
     @_locked
     def negotiate_rank_ready(self, key: tuple, rank: int) -> None:
+        ready = self._ready.setdefault(key, set())
+        if rank in ready:  # (rank 0's own cached announcement, then sent when the others were late)
+            return
+        ready.add(rank)
         self._event(key, "i", str(rank), extra=f', "s": "p", "args": {{"rank": {int(rank)}}}')
 
     @_locked
     def negotiate_end(self, key: tuple) -> None:
+        self._ready.pop(key, None)
         stack = self._open_spans.get(key)
         if stack and stack[-1].startswith("NEGOTIATE_"):
             self._event(key, "E", stack.pop())
@@ -189,6 +196,7 @@ class Timeline:
         """Enter ``activity`` for each key (ending its previous one; opening the op span)."""
         ts = self._now()  # (one moment: the keys enter it together)
         for key in keys:
+            self._ready.pop(key, None)
             stack = self._open_spans.setdefault(key, [])
             if key not in self._kinds and activity.startswith("MPI_"):  # not negotiated: a join's
                 self._kinds[key] = activity[4:].lower()
@@ -210,6 +218,7 @@ class Timeline:
     def end(self, keys: Iterable[tuple]) -> None:
         ts = self._now()
         for key in keys:
+            self._ready.pop(key, None)
             stack = self._open_spans.pop(key, None)
             while stack:
                 self._event(key, "E", stack.pop(), ts)

@@ -259,9 +259,12 @@ def test_timeline_reaches_the_file_at_each_flush_and_a_write_error_only_stops_it
     timeline = Timeline(0)
     timeline.start(str(path))
     timeline.negotiate_start((0, "grad"), "allreduce")
+    timeline.negotiate_rank_ready((0, "grad"), 0)
+    timeline.negotiate_rank_ready((0, "grad"), 0)  # announced cached, then sent: one mark
     timeline.flush()
     on_disk = path.read_text()  # not closed: what a killed job would leave
     assert "NEGOTIATE_ALLREDUCE" in on_disk and "allreduce.grad" in on_disk, on_disk
+    assert on_disk.count('"args": {"rank": 0}') == 1, on_disk
     timeline.activities([(0, "grad")], "MPI_ALLREDUCE")
     timeline.end([(0, "grad")])
     timeline.negotiate_start((0, "grad"), "broadcast")  # the same name, another kind: its own row
@@ -269,7 +272,7 @@ def test_timeline_reaches_the_file_at_each_flush_and_a_write_error_only_stops_it
     timeline.end([(0, "grad")])
     timeline.activity((0, "__join__"), "MPI_JOIN")  # not negotiated
     timeline.end([(0, "__join__")])
-    assert not timeline._open_spans
+    assert not timeline._open_spans and not timeline._ready
     timeline.flush()
     rows = [json.loads(line.rstrip(",\n"))["args"]["name"] for line in path.read_text().splitlines()
             if '"process_name"' in line]
