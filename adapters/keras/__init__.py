@@ -36,6 +36,7 @@ from hvddp import (Adasum, Average, BackendUnavailableError, Compression, HvddpE
 
 from . import callbacks, checkpoint, elastic
 from ._jit import install_auto_jit_guard as _install_auto_jit_guard
+from ._jit import install_error_unwrapping as _install_error_unwrapping
 from .callbacks import (BroadcastGlobalVariablesCallback, LearningRateScheduleCallback,
                         LearningRateWarmupCallback, MetricAverageCallback)
 from .checkpoint import CheckpointCallback, load_checkpoint, save_checkpoint
@@ -45,6 +46,7 @@ from .functions import (allgather, allreduce, broadcast, broadcast_global_variab
 from .optimizer import DistributedOptimizer, PartialDistributedOptimizer, is_distributed, load_model
 
 _install_auto_jit_guard()
+_install_error_unwrapping()
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",

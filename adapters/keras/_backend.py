@@ -16,7 +16,7 @@ import numpy as np
 
 import hvddp
 
-from hvddp import _grouping
+from hvddp import _grouping, _staged
 
 
 def name() -> str:
@@ -153,8 +153,9 @@ def _jax_call(fn: Callable[..., List[np.ndarray]], tensors: Sequence[Any],
     def callback(*arrays):
         try:
             return [np.asarray(a) for a in fn(*[np.asarray(a) for a in arrays])]
-        except BaseException:
+        except BaseException as exc:
             _callback_failed.set()
+            _staged.note(exc)  # JAX re-raises it as a JaxRuntimeError: fit() raises it as itself
             raise
 
     _renew_effect_tokens()
@@ -182,10 +183,10 @@ def call(fn: Callable[..., List[np.ndarray]], tensors: Sequence[Any],
     if backend == "tensorflow":
         import tensorflow as tf
 
-        from hvddp.tensorflow.ops import _check_xla
+        from hvddp.tensorflow.ops import _check_xla, _noting
 
         _check_xla("hvddp.keras collective")
-        outs = tf.numpy_function(lambda *xs: fn(*xs), list(tensors), [t.dtype for t in tensors],
+        outs = tf.numpy_function(_noting(fn), list(tensors), [t.dtype for t in tensors],
                                  stateful=True, name="HvddpKeras")
         outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
         for o, t, s in zip(outs, tensors, out_shapes or [None] * len(tensors)):

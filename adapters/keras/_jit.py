@@ -1,4 +1,5 @@
-"""Make ``jit_compile="auto"`` choose no XLA for models whose optimizer uses hvddp (TensorFlow).
+"""Keras trainer guards: ``jit_compile="auto"`` chooses no XLA for models whose optimizer uses
+hvddp (TensorFlow), and a failed collective in a compiled step raises hvddp's own error.
 
 Keras resolves ``"auto"`` to XLA on TensorFlow when a GPU is present, and XLA cannot compile
 the ``tf.numpy_function`` that reaches hvddp. The guard wraps ``Trainer._resolve_auto_jit_compile``
@@ -10,9 +11,13 @@ fails at trace time with an error that says what to do.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import keras
+
+from hvddp import _staged
+from hvddp.exceptions import HvddpError
 
 
 def install_auto_jit_guard() -> None:
@@ -37,3 +42,49 @@ def install_auto_jit_guard() -> None:
     _resolve_auto_jit_compile._hvddp_guard = True
     _resolve_auto_jit_compile.__wrapped__ = original
     _trainer.Trainer._resolve_auto_jit_compile = _resolve_auto_jit_compile
+
+
+_TRAINER_CALLS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
+
+
+def install_error_unwrapping() -> None:
+    """Make a failed collective inside Keras' compiled step raise hvddp's own error from ``fit``.
+
+    On JAX the step's ``io_callback`` error reached the caller as a ``JaxRuntimeError``, on
+    TensorFlow (in a ``tf.function``) as ``tf.errors.UnknownError``: ``except
+    hvd.HorovodInternalError`` missed a ``MismatchError`` there, and with one rank stalled the
+    ranks raised different types. Wraps the active backend's trainer (JAX, TensorFlow) once.
+    """
+    backend = keras.backend.backend()
+    try:
+        if backend == "jax":
+            from keras.src.backend.jax.trainer import JAXTrainer as trainer
+        elif backend == "tensorflow":
+            from keras.src.backend.tensorflow.trainer import TensorFlowTrainer as trainer
+        else:
+            return
+    except ImportError:  # pragma: no cover - a Keras laid out otherwise: its own errors then
+        return
+    for name in _TRAINER_CALLS:
+        original = vars(trainer).get(name)
+        if original is None or getattr(original, "_hvddp_unwraps", False):
+            continue
+        setattr(trainer, name, _unwrapping(original))
+
+
+def _unwrapping(original):
+    @functools.wraps(original)
+    def call(self, *args, **kwargs):
+        mark = _staged.mark()
+        try:
+            return original(self, *args, **kwargs)
+        except HvddpError:
+            raise
+        except Exception as exc:
+            staged = _staged.since(mark)
+            if staged is None:
+                raise
+            raise staged from exc
+
+    call._hvddp_unwraps = True
+    return call

@@ -12,7 +12,7 @@ import hvddp
 from hvddp import Compression, ProcessSet, _grouping, global_process_set
 
 from .gradient_tape import source_label
-from .ops import _check_root, _check_xla
+from .ops import _check_root, _check_xla, _noting
 
 __all__ = ["broadcast_", "broadcast_variables", "broadcast_global_variables", "DistributedOptimizer", "size_op",
            "rank_op", "local_size_op", "local_rank_op", "process_set_included_op", "broadcast_object",
@@ -88,7 +88,7 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int,
     def body(*values):
         return _broadcast_values([np.asarray(x) for x in values], labels, root_rank, process_set)
 
-    outs = tf.numpy_function(body, tensors, [t.dtype for t in tensors], stateful=True,
+    outs = tf.numpy_function(_noting(body), tensors, [t.dtype for t in tensors], stateful=True,
                              name="HvddpBroadcastVariables")
     assigns = []
     for v, t, out in zip(variables, tensors, outs):

@@ -31,7 +31,7 @@ from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGra
 import hvddp
 from hvddp import Compression, ProcessSet, global_process_set
 
-from hvddp import _grouping
+from hvddp import _grouping, _staged
 
 from .compression import numpy_side
 
@@ -111,7 +111,20 @@ def _size(process_set: ProcessSet) -> int:
 
 
 def _py(fn, inputs: List[tf.Tensor], touts: List[tf.DType], op_name: str):
-    return tf.numpy_function(fn, inputs, touts, stateful=True, name=op_name)
+    return tf.numpy_function(_noting(fn), inputs, touts, stateful=True, name=op_name)
+
+
+def _noting(fn):
+    """``fn``, noting what it raises: in a graph TensorFlow re-raises it as its own UnknownError
+    (``hvddp.keras``' ``fit`` raises it as itself)."""
+    def run(*args):
+        try:
+            return fn(*args)
+        except Exception as exc:
+            _staged.note(exc)
+            raise
+
+    return run
 
 
 def _outputs(outs) -> List[tf.Tensor]:
