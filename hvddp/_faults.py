@@ -236,6 +236,14 @@ def _signals_reach_the_group() -> bool:
     return os.getpgrp() == os.getpid() and parent == "hydra_pmi_proxy"
 
 
+def _in_my_group(pid: int) -> bool:
+    """Whether process ``pid`` is in this process's group (False once it is gone)."""
+    try:
+        return os.getpgid(pid) == os.getpgrp()
+    except OSError:
+        return False
+
+
 def _describe(code: int) -> str:
     if code < 0:
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
@@ -295,20 +303,23 @@ def rank_monitor(command: Sequence[str]) -> int:
         print(f"hvddprun: rank {rank}: cannot start {command[0]!r}: {exc}", file=sys.stderr)
         return 127
 
-    stopped = []  # signals the launcher (or the user) sent: the rank did not fail by itself
+    stopped = []  # signals the launcher sent: the rank did not fail by itself
     # The rank stays in this monitor's process group, so that a launcher's kill of the group
     # also ends what the rank started (a DataLoader's workers). Hydra's proxy makes each monitor
     # a group leader and signals the whole group: the rank has the signal already (a forwarded
-    # copy ran its SIGTERM handler twice), so what the proxy sends is not passed on. What anyone
-    # else sends to the monitor alone is, as is everything under other launchers, which may
-    # signal the monitor alone.
+    # copy ran its SIGTERM handler twice), so what the proxy sends is not passed on, nor what a
+    # process of the group sends the group (the rank's own killpg). What anyone else sends is
+    # (to the monitor alone, from `ps`; a kill of the whole group from outside cannot be told
+    # apart and reaches the rank twice), and a rank that then dies of it failed by it. Other
+    # launchers may signal the monitor alone: everything is passed on there.
     proxy = os.getppid() if _signals_reach_the_group() else None
     code = None
     while code is None:
         info = signal.sigtimedwait(signals | {signal.SIGCHLD}, 1.0)  # 1 s: a missed SIGCHLD
         if info is not None and info.si_signo != signal.SIGCHLD:
-            stopped.append(info.si_signo)
-            if info.si_pid != proxy:
+            if proxy is None or info.si_pid == proxy:
+                stopped.append(info.si_signo)
+            if proxy is None or not (info.si_pid == proxy or _in_my_group(info.si_pid)):
                 try:
                     child.send_signal(info.si_signo)
                 except OSError:

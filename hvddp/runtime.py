@@ -139,6 +139,7 @@ global_process_set = ProcessSet()
 
 class _State:
     def __init__(self) -> None:
+        self.pid = os.getpid()  # another one: a process forked from this rank (see _forked)
         self.comm = None
         self.rank = 0
         self.size = 1
@@ -160,6 +161,26 @@ class _State:
 
 
 _S: Optional[_State] = None
+
+
+def _forked() -> None:
+    """In a process forked from a rank (a DataLoader's or a fork Pool's worker).
+
+    The rank's queries (``rank()``, ``size()``...) still answer, as in Horovod; its collectives
+    raise at once (they run on the rank's engine thread, which a fork does not copy: they used to
+    wait forever), and its exit neither shuts the rank's hvddp down (that waited on the engine
+    too) nor writes to the rank's timeline.
+    """
+    global _lock
+    _lock = threading.RLock()  # (another thread may have held it at the fork)
+    state = _S
+    if state is not None and state.engine is not None:
+        state.engine.forked(state.rank)
+        if state.timeline:
+            state.timeline.forget_in_child()
+
+
+os.register_at_fork(after_in_child=_forked)
 _atexit_registered = False
 _singleton_cleanup_registered = False  # the exit-time removal of Open MPI's singleton segment
 
@@ -422,6 +443,8 @@ def shutdown() -> None:
         if state is None:
             return
         _S = None
+        if state.pid != os.getpid():  # a process forked from the rank: nothing of it to stop
+            return
         try:
             state.engine.stop()
         finally:

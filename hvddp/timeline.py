@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, List, Optional
 
 _log = logging.getLogger("hvddp")
 
@@ -33,6 +33,7 @@ class Timeline:
         self.tag = tag  # put before the path's extension (see from_config)
         self._lock = threading.Lock()
         self._file = None
+        self._held: List[str] = []  # events written since the last flush()
         self._t0 = 0.0
         self._pids: Dict[tuple, int] = {}  # (process set id, name, kind) -> its row
         self._open_spans: Dict[tuple, list] = {}  # (process set id, name) -> stack of open span names
@@ -64,10 +65,13 @@ class Timeline:
                 path = f"{root}{self.tag}{ext}"
             directory = os.path.dirname(os.path.abspath(path))
             os.makedirs(directory, exist_ok=True)
-            # buffered, and flushed at the end of every engine cycle (flush()), so that a job
-            # that is aborted or killed (no shutdown()) still leaves its trace up to its last
-            # cycle; written line by line, the timeline made the engine 3.5-4.6x slower
-            self._file = open(path, "w", buffering=1 << 16)
+            # events are held and written at the end of every engine cycle (flush()), so that a
+            # job that is aborted or killed (no shutdown()) still leaves its trace up to its last
+            # cycle; written line by line, the timeline made the engine 3.5-4.6x slower. (Held
+            # here, not in the file's buffer: a process forked from the rank drops them, where
+            # its exit would have flushed a buffer's copy into the file a second time.)
+            self._held = []
+            self._file = open(path, "w", buffering=1)
             self._path = path
             self._t0 = time.monotonic()
             self._pids = {}
@@ -75,7 +79,7 @@ class Timeline:
             self._kinds = {}
             self._ready = {}
             self.mark_cycles = mark_cycles
-            self._file.write("[\n")
+            self._write("[\n")
             self._emit({"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "hvddp engine"}})
             self._emit({"name": "start_time_since_epoch_in_micros", "ph": "M", "pid": 0,
                         "args": {"value": int(time.time() * 1e6)}})
@@ -85,14 +89,23 @@ class Timeline:
             self._close_locked()
 
     def flush(self) -> None:
-        """Hand what was written to the OS (the engine calls it once per cycle)."""
+        """Write the events held since the last flush (the engine calls it once per cycle)."""
         with self._lock:
-            if self._file is None:
-                return
-            try:
-                self._file.flush()
-            except OSError as exc:
-                self._give_up(exc)
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        if self._file is None or not self._held:
+            return
+        text, self._held = "".join(self._held), []
+        try:
+            self._file.write(text)  # (line-buffered: it reaches the file now)
+        except OSError as exc:
+            self._give_up(exc)
+
+    def forget_in_child(self) -> None:
+        """In a process forked from rank 0: drop the file and what is held, unwritten."""
+        self._held = []
+        self._file = None
 
     def _close_locked(self) -> None:
         if self._file is None:
@@ -100,12 +113,13 @@ class Timeline:
         for key, stack in self._open_spans.items():
             while stack:
                 self._event(key, "E", stack.pop())
+        self._write('{"name": "trace_end", "ph": "M", "pid": 0, "args": {}}\n]\n')
+        self._flush_locked()
         file, self._file = self._file, None
         self._pids, self._open_spans, self._kinds, self._ready = {}, {}, {}, {}
         if file is None:  # (a write above failed and gave up the file)
             return
         try:
-            file.write('{"name": "trace_end", "ph": "M", "pid": 0, "args": {}}\n]\n')
             file.close()
         except OSError as exc:
             self._file = file
@@ -119,12 +133,8 @@ class Timeline:
         self._write(json.dumps(event) + ",\n")
 
     def _write(self, text: str) -> None:
-        if self._file is None:  # (an earlier write failed)
-            return
-        try:
-            self._file.write(text)
-        except OSError as exc:
-            self._give_up(exc)
+        if self._file is not None:  # (None: an earlier write failed)
+            self._held.append(text)
 
     def _give_up(self, exc: OSError) -> None:
         """A write failed (a full disk, say): stop the timeline, not the training (as Horovod)."""

@@ -616,6 +616,32 @@ def test_runtime_queries():
     assert hvddp.size() == N
 
 
+def test_a_process_forked_from_a_rank_queries_but_cannot_reduce():
+    """A DataLoader's or a Pool's worker is forked from the rank: rank() and size() answer there
+    (as in Horovod), a collective raises at once naming the fork (it waited forever on an engine
+    thread the fork did not copy), and the rank's own collectives go on."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the worker: report through the pipe, leave with os._exit as workers do
+        try:
+            text = f"{hvddp.rank()} {hvddp.size()} "
+            try:
+                hvddp.allreduce(np.ones(2), name="from.the.worker")
+                text += "reduced"
+            except hvddp.HvddpError as exc:
+                text += str(exc)
+            os.write(write, text.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    with os.fdopen(read) as f:
+        said = f.read()
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert said.startswith(f"{R} {N} ") and f"this process was forked from rank {R}" in said, said
+    assert hvddp.allreduce(np.ones(2), name="after.the.fork", op=hvddp.Sum).tolist() == [N, N]
+
+
 def test_a_waiting_rank_does_not_spin_its_core():
     """While rank 1 computes for 1.5 s, rank 0 waits in an allreduce: its CPU time stays small."""
     if N == 1:

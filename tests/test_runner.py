@@ -306,6 +306,45 @@ def test_a_killed_hvddprun_takes_the_job_with_it():
         _faults.remove_leaked_shm(started)
 
 
+def test_a_ranks_own_group_signal_reaches_it_once_and_a_monitors_signal_that_kills_it_is_a_failure():
+    """The rank shares its monitor's process group: its own os.killpg(0, SIGUSR1) (to notify
+    workers it started) reached the monitor too, which passed a second copy on. A SIGUSR2 sent to
+    the rank's monitor alone is passed on, and the rank it kills failed by it: hvddprun said no
+    rank reported a failure, and exited with another code."""
+    import signal
+
+    script = ("import os, signal, time, hvddp; got = []; "
+              "signal.signal(signal.SIGUSR1, lambda *a: got.append(1)); hvddp.init()\n"
+              "for _ in range(3): os.killpg(0, signal.SIGUSR1); time.sleep(0.3)\n"
+              "time.sleep(0.5); print(f'rank {hvddp.rank()} got {len(got)} monitor {os.getppid()}', flush=True)\n"
+              "hvddp.barrier(); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-m", "hvddp.runner", "-np", "2", "python", "-c", script],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        seen = ""
+        while len(re.findall(r"rank \d got", seen)) < 2:
+            line = proc.stdout.readline()
+            assert line, f"hvddprun ended before the ranks counted:\n{seen}"
+            seen += line
+        assert sorted(re.findall(r"rank (\d) got (\d+)", seen)) == [("0", "3"), ("1", "3")], seen
+        monitor = int(re.search(r"rank 1 got \d+ monitor (\d+)", seen).group(1))
+        os.kill(monitor, signal.SIGUSR2)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"hvddprun still ran 30 s after SIGUSR2:\n{seen}{proc.communicate()[0]}")
+        out = seen + out
+        assert proc.returncode == 128 + signal.SIGUSR2, out
+        assert re.search(r"hvddprun: the first rank to fail: rank 1 \(pid \d+ on .*\), which was killed by "
+                         r"signal 12 \(SIGUSR2\)", out), out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 @pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
 def test_a_signal_to_hvddprun_alone_stops_the_job(signame):
     """A SIGINT or SIGTERM sent to hvddprun only (not to the terminal's whole group) reaches the
