@@ -310,7 +310,8 @@ def rank_monitor(command: Sequence[str]) -> int:
     # copy ran its SIGTERM handler twice), so what the proxy sends is not passed on, nor what a
     # process of the group sends the group (the rank's own killpg). What anyone else sends is
     # (to the monitor alone, from `ps`; a kill of the whole group from outside cannot be told
-    # apart and reaches the rank twice), and a rank that then dies of it failed by it. Other
+    # apart and reaches the rank twice, as can one from a process of the group that is gone
+    # by the time it is looked up), and a rank that then dies of it failed by it. Other
     # launchers may signal the monitor alone: everything is passed on there.
     proxy = os.getppid() if _signals_reach_the_group() else None
     code = None

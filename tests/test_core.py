@@ -63,9 +63,9 @@ HOROVOD_NAMES = {
                    "HostsUpdatedInterrupt",
     "hvddp.keras": "DistributedOptimizer callbacks elastic load_model broadcast_global_variables allreduce allgather "
                    "reducescatter broadcast gloo_built gloo_enabled ccl_built ddl_built rocm_built start_timeline "
-                   "stop_timeline",
+                   "stop_timeline HorovodInternalError",
     "hvddp.tensorflow.keras": "DistributedOptimizer callbacks elastic load_model broadcast_global_variables allreduce "
-                              "allgather reducescatter broadcast gloo_built ccl_built rocm_built",
+                              "allgather reducescatter broadcast gloo_built ccl_built rocm_built HorovodInternalError",
     "hvddp.tensorflow": "DistributedGradientTape SyncBatchNormalization broadcast_variables allreduce grouped_allreduce allgather "
                         "broadcast alltoall reducescatter gloo_built ccl_built rocm_built start_timeline "
                         "stop_timeline grouped_allgather grouped_reducescatter DistributedOptimizer "

@@ -48,6 +48,8 @@ from .optimizer import DistributedOptimizer, PartialDistributedOptimizer, is_dis
 _install_auto_jit_guard()
 _install_error_unwrapping()
 
+HorovodInternalError = HvddpError  # Horovod's name for what a failed collective raises
+
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_built", "mpi_enabled", "nccl_built",
@@ -58,7 +60,8 @@ __all__ = [
     "BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
     "LearningRateWarmupCallback", "allreduce", "allgather", "reducescatter", "broadcast", "broadcast_variables",
     "broadcast_global_variables", "barrier", "join", "broadcast_object", "allgather_object",
-    "HvddpError", "NotInitializedError", "BackendUnavailableError", "MismatchError", "ShutdownError",
-    "StallError", "LauncherMismatchError", "start_timeline", "stop_timeline", "checkpoint", "CheckpointCallback",
+    "HvddpError", "HorovodInternalError", "NotInitializedError", "BackendUnavailableError", "MismatchError",
+    "ShutdownError", "StallError", "LauncherMismatchError", "start_timeline", "stop_timeline", "checkpoint",
+    "CheckpointCallback",
     "save_checkpoint", "load_checkpoint", "elastic", "HostsUpdatedInterrupt",
 ]

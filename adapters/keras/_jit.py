@@ -82,7 +82,9 @@ def _unwrapping(original):
             raise
         except Exception as exc:
             staged = _staged.since(mark)
-            if staged is None:
+            # the framework's wrapper carries the error's message; anything else (a later error
+            # of the user's, after an hvddp error the user caught) is left as it is
+            if staged is None or str(staged).split("\n")[0][:200] not in str(exc):
                 raise
             raise staged from exc
 

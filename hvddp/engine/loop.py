@@ -217,10 +217,11 @@ class Engine:
         """In a process forked from the rank: its engine thread did not come along; fail calls."""
         self._lock = threading.Lock()  # (the engine thread may have held it at the fork)
         self._cv = threading.Condition(self._lock)
-        self._error = HvddpError(
+        # and the calls in flight at the fork fail too (their handles would wait forever)
+        self._stop_with(HvddpError(
             f"this process was forked from rank {rank} (a DataLoader's or a Pool's worker, say), "
             f"and hvddp's collectives run on the rank's engine thread, which a fork does not copy; "
-            f"make collectives in the rank itself.")
+            f"make collectives in the rank itself."))
 
     def stop(self) -> None:
         """Ask every rank's engine to stop (collectively) and wait for this one to end."""
