@@ -268,6 +268,22 @@ def test_check_build_reports_library_threads_and_frameworks():
     assert ("[X] NCCL" in out) == (importlib.util.find_spec("cupy") is not None and "[X] CuPy" in out), out
 
 
+def _start_hvddprun(script: str) -> subprocess.Popen:
+    """``hvddprun -np 2 python -c script`` in a session of its own, its output read as it comes."""
+    return subprocess.Popen([sys.executable, "-m", "hvddp.runner", "-np", "2", "python", "-c", script],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _kill_if_running(proc: subprocess.Popen) -> None:
+    """Kill what a failed test left running: hvddprun's whole session."""
+    import signal
+
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def test_a_killed_hvddprun_takes_the_job_with_it():
     """The launcher runs in a session of its own (so that it gets each signal once, from
     hvddprun), and dies with hvddprun: a SIGKILL to hvddprun alone leaves no rank running."""
@@ -277,9 +293,7 @@ def test_a_killed_hvddprun_takes_the_job_with_it():
               f"print(f'rank-is-up pid {{os.getpid()}} in {{os.environ[\"{_faults.STATUS_DIR_VARIABLE}\"]}}', "
               "flush=True); time.sleep(60)")
     started = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "hvddp.runner", "-np", "2", "python", "-c", script],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = _start_hvddprun(script)
     ranks, status_dirs = [], set()
     try:
         while len(ranks) < 2:
@@ -318,9 +332,7 @@ def test_a_ranks_own_group_signal_reaches_it_once_and_a_monitors_signal_that_kil
               "for _ in range(3): os.killpg(0, signal.SIGUSR1); time.sleep(0.3)\n"
               "time.sleep(0.5); print(f'rank {hvddp.rank()} got {len(got)} monitor {os.getppid()}', flush=True)\n"
               "hvddp.barrier(); time.sleep(60)")
-    proc = subprocess.Popen([sys.executable, "-m", "hvddp.runner", "-np", "2", "python", "-c", script],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = _start_hvddprun(script)
     try:
         seen = ""
         while len(re.findall(r"rank \d got", seen)) < 2:
@@ -340,9 +352,7 @@ def test_a_ranks_own_group_signal_reaches_it_once_and_a_monitors_signal_that_kil
         assert re.search(r"hvddprun: the first rank to fail: rank 1 \(pid \d+ on .*\), which was killed by "
                          r"signal 12 \(SIGUSR2\)", out), out
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _kill_if_running(proc)
 
 
 @pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
@@ -352,9 +362,7 @@ def test_a_signal_to_hvddprun_alone_stops_the_job(signame):
     import signal
 
     script = "import time, hvddp; hvddp.init(); print('rank-is-up', flush=True); time.sleep(120)"
-    proc = subprocess.Popen([sys.executable, "-m", "hvddp.runner", "-np", "2", "python", "-c", script],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = _start_hvddprun(script)
     try:
         up = 0
         while up < 2:  # both ranks are past init() and sleeping (a hang is caught by the timeout)
@@ -376,9 +384,7 @@ def test_a_signal_to_hvddprun_alone_stops_the_job(signame):
                          out.split(f"stopped by {signame}")[1]), out
         assert "no rank finished cleanly" not in out and "first rank to fail" not in out, out
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _kill_if_running(proc)
 
 
 @pytest.mark.parametrize("to", ["hvddprun", "its_group", "the_rank_monitors"])
@@ -400,9 +406,7 @@ def test_a_rank_gets_a_signal_to_hvddprun_once_and_so_do_its_children(to):
               "end = time.time() + 60\n"
               "while time.time() < end and not got: time.sleep(0.05)\n"
               "time.sleep(2); print(f'rank {hvddp.rank()} got {len(got)}', flush=True)")
-    proc = subprocess.Popen([sys.executable, "-m", "hvddp.runner", "-np", "2", "python", "-c", script],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = _start_hvddprun(script)
     children, monitors = [], []
     try:
         up = 0
@@ -435,6 +439,4 @@ def test_a_rank_gets_a_signal_to_hvddprun_once_and_so_do_its_children(to):
             time.sleep(0.1)
         assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")], out
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _kill_if_running(proc)

@@ -286,9 +286,10 @@ class Engine:
             flags &= ~FLAG_NO_UNSENT
         if shutdown:
             flags &= ~FLAG_NOT_SHUTDOWN
-        for ps_id in {entry.request.ps_id for entry in self._pending.values()}:
-            if ps_id and self._is_subset(ps_id):
-                flags &= ~(1 << (FLAG_SET_WORK_SHIFT + ps_id % FLAG_SET_WORK_BITS))
+        if len(self.process_sets) > 1:  # (with the global set alone, no pass over the pending work)
+            for ps_id in {entry.request.ps_id for entry in self._pending.values()}:
+                if ps_id and self._is_subset(ps_id):
+                    flags &= ~(1 << (FLAG_SET_WORK_SHIFT + ps_id % FLAG_SET_WORK_BITS))
         bits = self._bits
         bits[0] = flags
         if self.cache.capacity:
