@@ -1,10 +1,10 @@
 """hvddp's single-copy (cross-memory attach) reduction against MPI, by array size, in one run.
 
-    mpiexec -n 2 python -m mpi4py benchmarks/cma_sizes.py [--rounds 7]
+    mpiexec -n 2 python -m mpi4py benchmarks/cma_sizes.py [--rounds 7] [--warmup 1]
 
 The numbers behind HVDDP_CMA_THRESHOLD. Each size reduces 80 MiB per rank spread over distinct
 arrays (as gradients are: every step reads memory the caches no longer hold), float32, in place,
-rounds interleaved, each rank pinned to one core; medians of the slowest rank:
+rounds interleaved after an untimed one, each rank pinned to one core; medians of the slowest rank:
 
   MPI              one in-place MPI Allreduce per array (Sum)
   MPI + 1/size     the same, then the Average's scaling pass over each array
@@ -12,7 +12,7 @@ rounds interleaved, each rank pinned to one core; medians of the slowest rank:
   single + 1/size  the same with the Average's 1/size folded in, as the engine runs it
   single, grouped  every array in one CrossMemory.allreduce_many call (a fusion group), 1/size
 
-The last line repeats one 4 MiB array 20 times, cache-hot, to show what distinct memory costs.
+The last line (one 4 MiB x 20) repeats one array 20 times, cache-hot, to show what distinct memory costs.
 """
 
 import argparse
@@ -31,6 +31,7 @@ TOTAL = 80 << 20
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     args = parser.parse_args()
     comm = MPI.COMM_WORLD.Dup()
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -56,21 +57,23 @@ def main() -> None:
         print(f"{size} ranks, {MPI.Get_library_version().splitlines()[0].strip()}; ms per 80 MiB "
               f"per rank (ratio to MPI)")
         print(f"{'array':>16}" + "".join(f"{w:>22}" for w in ways))
-    cases = [(f"{n >> 10} KiB x {TOTAL // n}", n, TOTAL // n, TOTAL // n) for n in
-             (64 << 10, 256 << 10, 1 << 20, 4 << 20)]
-    cases.append(("4 MiB x 20, hot", 4 << 20, 1, 20))
+    cases = [(f"{n >> 20} MiB x {TOTAL // n}" if n >= 1 << 20 else f"{n >> 10} KiB x {TOTAL // n}",
+              n, TOTAL // n, TOTAL // n) for n in (64 << 10, 256 << 10, 1 << 20, 4 << 20)]
+    cases.append(("one 4 MiB x 20", 4 << 20, 1, 20))
     for label, nbytes, distinct, calls in cases:
         arrays = [np.ones(nbytes // 4, np.float32) for _ in range(distinct)]
         arrays = [arrays[i % distinct] for i in range(calls)]
         times = {w: [] for w in ways}
-        for _ in range(args.rounds):
+        for round_ in range(args.warmup + args.rounds):
             for way, fn in ways.items():
                 if way == "single, grouped" and distinct < calls:
                     continue  # one array listed twice in a group is not a valid call
                 comm.Barrier()
                 t0 = time.perf_counter()
                 fn(arrays)
-                times[way].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+                elapsed = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+                if round_ >= args.warmup:  # the first touches of the arrays are not timed
+                    times[way].append(elapsed)
         if rank == 0:
             base = float(np.median(times["MPI"]))
             cells = []

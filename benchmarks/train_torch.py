@@ -114,6 +114,12 @@ def _floor(model, optimizer, reps: int = 7) -> float:
     return float(np.median(times))
 
 
+def _slowest(rows) -> list:
+    """The (seconds, main CPU, other CPU) row of the rank whose steps took longest, so the CPU
+    figures printed beside a step time are that rank's own, not maxima taken over different ranks."""
+    return rows[int(rows[:, 0].argmax())].tolist()
+
+
 def worker(mode: str, steps: int, warmup: int) -> None:
     rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
     core = _pin(rank)
@@ -135,8 +141,9 @@ def worker(mode: str, steps: int, warmup: int) -> None:
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
         seconds, main, other = _loop(model, optimizer, steps, warmup, hvd.barrier)
-        seconds, main, other = hvd.allreduce(torch.tensor([seconds, main, other]), op=hvd.Max,
-                                             name="bench.seconds").tolist()
+        rows = hvd.allgather(torch.tensor([[seconds, main, other]], dtype=torch.float64),
+                             name="bench.seconds")
+        seconds, main, other = _slowest(rows)
         ranks = hvd.size()
     elif mode == "ddp":
         import torch.distributed as dist
@@ -146,9 +153,9 @@ def worker(mode: str, steps: int, warmup: int) -> None:
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
         seconds, main, other = _loop(ddp, optimizer, steps, warmup, dist.barrier)
-        t = torch.tensor([seconds, main, other])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        seconds, main, other = t.tolist()
+        rows = [torch.zeros(1, 3, dtype=torch.float64) for _ in range(size)]
+        dist.all_gather(rows, torch.tensor([[seconds, main, other]], dtype=torch.float64))
+        seconds, main, other = _slowest(torch.cat(rows))
         ranks = size
         dist.destroy_process_group()
     else:
@@ -221,7 +228,8 @@ def main() -> None:
     single = best["single"]["ms_per_step"]
     ddp = best["ddp"]["ms_per_step"]
     print(f"model: {DEPTH} x [Linear({WIDTH},{WIDTH}) + LayerNorm + ReLU] + Linear({WIDTH},10), "
-          f"batch {BATCH}/rank, 1 thread/rank, pinned; {args.steps} timed steps, best of {args.repeats}; "
+          f"batch {BATCH}/rank of synthetic data (one random batch and random labels), 1 thread/rank, "
+          f"pinned; {args.steps} timed steps, best of {args.repeats}; "
           f"malloc: {'glibc defaults' if args.default_malloc else 'fixed mmap threshold'}")
     print("| run | ranks | ms/step | samples/s | vs one process | vs DDP | CPU ms/step: training thread "
           "+ other threads (slowest rank) |")

@@ -12,6 +12,7 @@ replicas stay identical. Rank 0 alone shows the progress bar and writes the chec
 
 import argparse
 import os
+import time
 
 import keras
 import numpy as np
@@ -58,15 +59,18 @@ def main() -> None:
         os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint)), exist_ok=True)
         callbacks.append(keras.callbacks.ModelCheckpoint(args.checkpoint))
 
+    start = time.perf_counter()
     model.fit(x_shard, y_shard, batch_size=args.batch_size, epochs=args.epochs, callbacks=callbacks,
               verbose=1 if hvd.rank() == 0 else 0)
+    seconds = time.perf_counter() - start
 
     _, accuracy = model.evaluate(x_test, y_test, verbose=0)
     weights = np.concatenate([w.ravel() for w in model.get_weights()])
     every = np.asarray(hvd.allgather(weights[None, :], name="replicas"))
     if hvd.rank() == 0:
         print(f"backend: {keras.backend.backend()}  ranks: {hvd.size()}  test accuracy: {accuracy:.4f}  "
-              f"replicas identical: {bool((every == every[0]).all())}  checkpoint: {args.checkpoint}")
+              f"training time: {seconds:.1f} s  replicas identical: {bool((every == every[0]).all())}  "
+              f"checkpoint: {args.checkpoint}")
     hvd.shutdown()
 
 

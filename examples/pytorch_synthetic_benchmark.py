@@ -99,7 +99,7 @@ def main() -> None:
 
     params = sum(p.numel() for p in model.parameters())
     log(f"Model: {args.model} ({params / 1e6:.1f}M parameters)")
-    log(f"Batch size: {args.batch_size}")
+    log(f"Batch size: {args.batch_size} (synthetic data: one random batch and random labels)")
     unit = "GPU" if cuda else "CPU"
     log(f"Number of {unit}s: {hvd.size()}")
     log("Running warmup...")

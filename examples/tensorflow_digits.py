@@ -9,6 +9,7 @@ checkpoint (``--checkpoint``, default ``checkpoints/tensorflow_digits.weights.h5
 
 import argparse
 import os
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -56,6 +57,7 @@ def main() -> None:
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
+    start = time.perf_counter()
     for epoch in range(args.epochs):
         batches = shard.shuffle(len(x_train), seed=epoch).batch(args.batch_size)
         losses = [train_step(xb, yb) for xb, yb in batches]
@@ -65,11 +67,12 @@ def main() -> None:
             os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint)), exist_ok=True)
             model.save_weights(args.checkpoint)
 
+    seconds = time.perf_counter() - start
     accuracy = float(np.mean(np.argmax(model(x_test).numpy(), axis=1) == y_test))
     weights = np.concatenate([w.numpy().ravel() for w in model.trainable_variables])
     every = hvd.allgather(tf.constant(weights[None, :]), name="replicas").numpy()
     if hvd.rank() == 0:
-        print(f"ranks: {hvd.size()}  test accuracy: {accuracy:.4f}  "
+        print(f"ranks: {hvd.size()}  test accuracy: {accuracy:.4f}  training time: {seconds:.1f} s  "
               f"replicas identical: {bool((every == every[0]).all())}  checkpoint: {args.checkpoint}")
     hvd.shutdown()
 

@@ -74,7 +74,8 @@ def test_keras_digits_example(backend, tmp_path):
     checkpoint = tmp_path / "digits.keras"
     out = run(2, ["examples/keras_digits.py", "--epochs", "15", "--checkpoint", str(checkpoint)],
               env={"KERAS_BACKEND": backend}, timeout=300).stdout
-    match = re.search(r"backend: (\w+)  ranks: 2  test accuracy: ([0-9.]+)  replicas identical: (\w+)", out)
+    match = re.search(r"backend: (\w+)  ranks: 2  test accuracy: ([0-9.]+)  training time: [0-9.]+ s  "
+                      r"replicas identical: (\w+)", out)
     assert match, out
     assert match.group(1) == backend
     assert float(match.group(2)) >= 0.95, out

@@ -20,7 +20,8 @@ def test_tensorflow_digits_example(tmp_path):
     checkpoint = tmp_path / "digits.weights.h5"
     out = run(2, ["examples/tensorflow_digits.py", "--epochs", "15", "--checkpoint", str(checkpoint)],
               timeout=300).stdout
-    match = re.search(r"ranks: 2  test accuracy: ([0-9.]+)  replicas identical: (\w+)", out)
+    match = re.search(r"ranks: 2  test accuracy: ([0-9.]+)  training time: [0-9.]+ s  replicas identical: (\w+)",
+                      out)
     assert match, out
     assert float(match.group(1)) >= 0.95, out
     assert match.group(2) == "True", out

@@ -316,7 +316,9 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: ReduceOp = Avera
     """Start reducing a sparse COO tensor by allgathering its indices and values.
 
     The result (from ``synchronize``) is an uncoalesced sparse tensor holding every rank's
-    entries, values divided by the set's size for ``op=Average``. Only Average and Sum apply.
+    entries, values divided by the set's size for ``op=Average`` (a true division, as in Horovod:
+    integer values come back as floats, where a dense integer Average truncates). Only Average
+    and Sum apply.
     Uses the names ``<name>.indices`` and ``<name>.values``; with ``name=None``, an automatic
     name (the n-th unnamed sparse allreduce on the set).
     """
