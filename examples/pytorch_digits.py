@@ -3,8 +3,9 @@
 Each rank trains on its shard of every epoch (``DistributedSampler``); gradients are averaged by
 ``hvd.DistributedOptimizer`` while backward runs; metrics are reduced with ``hvd.allreduce`` (the training
 loss averaged, the test loss and accuracy summed over the ranks' shares, each test sample once).
-Rank 0 alone shows the progress bar, logs, and writes the checkpoint; ``--resume`` restarts from
-it (rank 0 loads, the others receive the state by broadcast).
+Rank 0 alone shows the progress bar, logs, and writes the checkpoint (atomically, with
+``hvd.save_checkpoint``); ``--resume`` restarts from it (rank 0 reads it, every rank loads the same
+state, and each rank's random generators continue where they were).
 
     mpiexec -n 2 python -m mpi4py examples/pytorch_digits.py
     mpiexec -n 2 python -m mpi4py examples/pytorch_digits.py --checkpoint /tmp/digits.ckpt --resume
@@ -110,20 +111,18 @@ def main() -> float:
 
     model = Net()
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr * hvd.size())
-    start_epoch = 0
-    if args.resume and hvd.rank() == 0 and os.path.exists(args.checkpoint):
-        state = torch.load(args.checkpoint)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+    # rank 0 reads the checkpoint and every rank loads the same state (None: no checkpoint yet)
+    state = hvd.load_checkpoint(args.checkpoint, model, optimizer) if args.resume else None
+    if state is None:  # a fresh start: every replica starts from rank 0's weights and optimizer state
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        start_epoch = 0
+    else:
         for group in optimizer.param_groups:  # this job's rate (the checkpoint's was for its size)
             group["lr"] = args.lr * hvd.size()
         start_epoch = state["epoch"]
         log.info("resumed from %s after epoch %d, learning rate %g (--lr times %d ranks)", args.checkpoint,
                  start_epoch, optimizer.param_groups[0]["lr"], hvd.size())
-    start_epoch = hvd.broadcast_object(start_epoch, root_rank=0, name="start_epoch")
-    # Every replica starts from rank 0's weights and optimizer state.
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
 
     begin = time.perf_counter()
@@ -145,10 +144,9 @@ def main() -> float:
         test_loss, accuracy = evaluate(model, test_loader)
         log.info("epoch %2d  train loss %.4f  test loss %.4f  test accuracy %.2f%%",
                  epoch + 1, train_loss, test_loss, 100 * accuracy)
-        if hvd.rank() == 0:
-            os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint)), exist_ok=True)
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "epoch": epoch + 1}, args.checkpoint)
+        # every rank calls it, rank 0 writes: a temporary file renamed over the last checkpoint, so a
+        # crash while writing leaves the previous one intact
+        hvd.save_checkpoint(args.checkpoint, model, optimizer, epoch=epoch + 1)
     if accuracy is None:  # resumed after the last epoch: nothing to train, the model is tested as it is
         _, accuracy = evaluate(model, test_loader)
     log.info("ranks %d  test accuracy %.2f%%  training time %.1f s  checkpoint %s", hvd.size(),

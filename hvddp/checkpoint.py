@@ -27,14 +27,15 @@ import glob
 import os
 import pickle
 import uuid
-from typing import Any, BinaryIO, Callable, Optional, Union
+from typing import Any, BinaryIO, Callable, Dict, List, Optional, Union
 
 import numpy as np
 
-from .exceptions import HvddpError
+from .exceptions import HvddpError, MismatchError
 from .runtime import ProcessSet, global_process_set, rank as _global_rank
 
-__all__ = ["CheckpointError", "atomic_write", "save_bytes", "load_bytes", "save", "load"]
+__all__ = ["CheckpointError", "atomic_write", "save_bytes", "load_bytes", "save", "load", "agree",
+           "all_succeeded"]
 
 Data = Union[bytes, bytearray, memoryview, Callable[[BinaryIO], None]]
 
@@ -73,7 +74,9 @@ def atomic_write(path: Union[str, os.PathLike], data: Data) -> None:
         OSError: the file could not be written (``path`` is untouched then).
         TypeError: ``data`` is neither bytes-like nor callable.
     """
-    path = os.fspath(path)
+    path = file_path(path, "atomic_write")
+    if os.path.islink(path):  # replace the file the link names, as writing through it would
+        path = os.path.realpath(path)
     if not (callable(data) or isinstance(data, (bytes, bytearray, memoryview))):
         raise TypeError(f"atomic_write: data must be bytes or a function that writes to a file, "
                         f"got {type(data).__name__}.")
@@ -123,6 +126,84 @@ def _writer_alive(suffix: str) -> bool:
     return True
 
 
+def file_path(path: Any, fn: str) -> str:
+    """``path`` as a str, or a TypeError naming ``fn``'s argument."""
+    try:
+        return os.fspath(path)
+    except TypeError:
+        raise TypeError(f"{fn}: path must be a file path (str, bytes or os.PathLike); Received: "
+                        f"path={path!r} ({type(path).__name__}).") from None
+
+
+def _members(process_set: ProcessSet) -> List[int]:
+    from .runtime import size
+
+    return list(process_set.ranks) if process_set.ranks is not None else list(range(size()))
+
+
+def agree(fn: str, describe: Callable[[], Dict[str, Any]], process_set: ProcessSet = global_process_set,
+          ) -> List[Dict[str, Any]]:
+    """Check that every rank called ``fn`` with valid arguments, and the same ones, before the call
+    does anything; collective (one small allgather, so a bad argument on one rank cannot leave the
+    others waiting in a later collective of the call).
+
+    ``describe`` checks this rank's arguments (raising for a bad one) and returns a dict: entries
+    whose key starts with ``_`` are this rank's own data passed along (its RNG states), the
+    others must be equal on every rank.
+
+    Returns:
+        Every rank's description, in the set's rank order.
+
+    Raises:
+        On a rank whose arguments were bad, that error; on the others ``MismatchError`` naming the
+        rank and its error. ``MismatchError`` on every rank when the ranks passed different values,
+        naming the argument and each rank's value.
+    """
+    from .ops import allgather_object
+
+    error: Optional[BaseException] = None
+    try:
+        mine: Any = ("ok", describe())
+    except Exception as exc:  # announced below, then raised here
+        error = exc
+        mine = ("error", f"{type(exc).__name__}: {exc}")
+    every = allgather_object(mine, name=f"__hvddp.checkpoint.{fn}.arguments", process_set=process_set)
+    if error is not None:
+        raise error
+    members = _members(process_set)
+    for member, (status, value) in zip(members, every):
+        if status == "error":
+            raise MismatchError(f"{fn}: rank {member} refused its arguments ({value}); every rank must call "
+                                f"{fn} with valid arguments, so none of them went on.")
+    descriptions = [value for _, value in every]
+    for key in descriptions[0]:
+        if key.startswith("_"):
+            continue
+        values = [d.get(key) for d in descriptions]
+        if any(v != values[0] for v in values):
+            each = ", ".join(f"rank {m}: {v!r}" for m, v in zip(members, values))
+            raise MismatchError(f"{fn}: the ranks passed different {key} ({each}); every rank must call "
+                                f"{fn} with the same arguments.")
+    return descriptions
+
+
+def all_succeeded(fn: str, path: Any, error: Optional[BaseException], done: str,
+                  process_set: ProcessSet = global_process_set) -> None:
+    """After a step each rank ran on its own objects (checking or loading them): raise on every
+    rank when it failed on any; collective. ``error`` is this rank's (None when it succeeded) and
+    is raised as it is here; the other ranks raise ``CheckpointError`` naming the failing rank.
+    ``done`` says what the other ranks did meanwhile (e.g. "nothing was loaded")."""
+    from .ops import allgather_object
+
+    why = None if error is None else f"{type(error).__name__}: {error}"
+    every = allgather_object(why, name=f"__hvddp.checkpoint.{fn}.outcome", process_set=process_set)
+    if error is not None:
+        raise error
+    for member, failure in zip(_members(process_set), every):
+        if failure is not None:
+            raise CheckpointError(f"{fn}: checkpoint {path!r} failed on rank {member} ({failure}); {done}.")
+
+
 def root_of(root_rank: Any, fn: str, process_set: ProcessSet) -> int:
     """The rank that reads or writes for ``fn``: ``root_rank`` (a global rank, a member of
     ``process_set``), or by default (None) the set's first member: rank 0 for the global set."""
@@ -137,6 +218,18 @@ def root_of(root_rank: Any, fn: str, process_set: ProcessSet) -> int:
     return int(root_rank)
 
 
+def _checked(fn: str, path: Any, root_rank: Any, process_set: ProcessSet) -> tuple:
+    """(path, root rank) of a call every rank made with valid and equal arguments (``agree``)."""
+    mine = {}
+
+    def describe() -> Dict[str, Any]:
+        mine["path"] = file_path(path, fn)
+        return {"root_rank": root_of(root_rank, fn, process_set)}
+
+    root = agree(fn, describe, process_set)[0]["root_rank"]
+    return mine["path"], root
+
+
 def save_bytes(data: Optional[Data], path: Union[str, os.PathLike], root_rank: Optional[int] = None,
                process_set: ProcessSet = global_process_set) -> None:
     """Write ``data`` to ``path`` from ``root_rank`` only, atomically; every rank calls it.
@@ -149,21 +242,25 @@ def save_bytes(data: Optional[Data], path: Union[str, os.PathLike], root_rank: O
         CheckpointError: on every rank, when the root could not write the file; the previous
             checkpoint at ``path`` is then intact.
     """
+    _write("save_bytes", data, path, root_rank, process_set)
+
+
+def _write(fn: str, data: Optional[Data], path: Any, root_rank: Any, process_set: ProcessSet) -> None:
     from .ops import broadcast_object
 
-    root_rank = root_of(root_rank, "save_bytes", process_set)
+    path, root_rank = _checked(fn, path, root_rank, process_set)
     error = None
     if _global_rank() == root_rank:
         try:
             if data is None:
-                raise TypeError("save_bytes: the root rank must pass the data to write, got None.")
+                raise TypeError(f"{fn}: the root rank must pass the data to write, got None.")
             atomic_write(path, data)
         except Exception as exc:  # reported on every rank below
             error = f"{type(exc).__name__}: {exc}"
     # (named: a rank that never calls it shows up in the stall warning as a checkpoint's)
     error = broadcast_object(error, root_rank, name="__hvddp.checkpoint.saved", process_set=process_set)
     if error is not None:
-        raise CheckpointError(f"checkpoint {os.fspath(path)!r}: rank {root_rank} could not write it "
+        raise CheckpointError(f"checkpoint {path!r}: rank {root_rank} could not write it "
                               f"({error}); the previous checkpoint, if any, is intact.")
 
 
@@ -180,10 +277,13 @@ def load_bytes(path: Union[str, os.PathLike], root_rank: Optional[int] = None,
     Raises:
         CheckpointError: on every rank, when the file exists but the root cannot read it.
     """
+    return _read("load_bytes", path, root_rank, process_set)
+
+
+def _read(fn: str, path: Any, root_rank: Any, process_set: ProcessSet) -> Optional[bytes]:
     from .ops import broadcast, broadcast_object
 
-    root_rank = root_of(root_rank, "load_bytes", process_set)
-    path = os.fspath(path)
+    path, root_rank = _checked(fn, path, root_rank, process_set)
     payload = None
     header: Any = None
     if _global_rank() == root_rank:
@@ -218,10 +318,8 @@ def save(obj: Any, path: Union[str, os.PathLike], root_rank: Optional[int] = Non
     from .runtime import _state
 
     _state()
-    root_rank = root_of(root_rank, "save", process_set)
-    is_root = _global_rank() == root_rank
-    save_bytes((lambda f: pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)) if is_root else None,
-               path, root_rank, process_set)
+    # (only the root's function runs; save_bytes checks the arguments on every rank first)
+    _write("save", lambda f: pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL), path, root_rank, process_set)
 
 
 def load(path: Union[str, os.PathLike], default: Any = None, root_rank: Optional[int] = None,
@@ -235,7 +333,7 @@ def load(path: Union[str, os.PathLike], default: Any = None, root_rank: Optional
     Raises:
         CheckpointError: on every rank, when the file cannot be read or unpickled.
     """
-    data = load_bytes(path, root_rank, process_set)
+    data = _read("load", path, root_rank, process_set)
     if data is None:
         return default
     try:

@@ -123,5 +123,61 @@ saved = hvddp.broadcast(two[0].weight.detach().numpy(), 0, name="saved.lazy")  #
 assert np.array_equal(lazy[0].weight.detach().numpy(), saved)
 assert hvddp.allreduce(np.ones(1), name="after.torch.load", op=hvddp.Sum)[0] == hvddp.size()
 
+# Arguments that are bad on one rank, or differ between ranks, raise on every rank before anything
+# is written or loaded (a different rng= hung: only some ranks gathered RNG states; a model that did
+# not fit on one rank raised there alone and the others loaded; a non-path path raised a bare
+# TypeError naming neither the argument nor the function).
+from hvddp import MismatchError  # noqa: E402
+
+
+def raises(kind, words, fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except kind as exc:
+        assert all(w in str(exc) for w in words), (kind, words, exc)
+        return exc
+    raise AssertionError(f"{fn.__name__}{args} did not raise {kind.__name__} ({words})")
+
+
+other_rank = 1 - rank if hvddp.size() == 2 else None
+good = os.path.join(directory, "good.pt")
+torch_checkpoint.save_checkpoint(good, two, torch.optim.SGD(two.parameters(), lr=0.1))
+raises(TypeError, ["save_checkpoint: path must be a file path", "path=123"],
+       torch_checkpoint.save_checkpoint, 123, two)
+raises(TypeError, ["load_checkpoint: path must be a file path"], torch_checkpoint.load_checkpoint, 123, two)
+raises(TypeError, ["save: path must be a file path"], checkpoint.save, {}, None)
+if hvddp.size() == 2:
+    raises(MismatchError, ["save_checkpoint: the ranks passed different rng", "rank 0: True", "rank 1: False"],
+           torch_checkpoint.save_checkpoint, good, two, rng=rank == 0)
+    if rank == 1:
+        raises(TypeError, ["path=None"], checkpoint.save, {}, None)
+    else:
+        raises(MismatchError, ["save: rank 1 refused its arguments (TypeError", "path=None"],
+               checkpoint.save, {}, path)
+    raises(MismatchError, ["load_checkpoint: the ranks passed different optimizer"],
+           torch_checkpoint.load_checkpoint, good, two, torch.optim.SGD(two.parameters(), lr=0.1) if rank else None)
+    # rank 1's model does not fit: refused everywhere, nothing loaded anywhere
+    mine = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 2 + 2 * rank))
+    before = {k: v.clone() for k, v in mine.state_dict().items()}
+    raises(checkpoint.CheckpointError, ["shapes differ"] if rank == 1 else
+           ["load_checkpoint: checkpoint", "failed on rank 1", "shapes differ", "nothing was loaded on any rank"],
+           torch_checkpoint.load_checkpoint, good, mine)
+    assert all(torch.equal(v, before[k]) for k, v in mine.state_dict().items())
+    # rank 1's model has a module more: its shapes fit, torch's strict loading refuses it there,
+    # after rank 0 loaded; rank 0 is told the replicas now differ
+    more = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 2), *[torch.nn.Linear(2, 2)] * rank)
+    raises(checkpoint.CheckpointError, ["its model state does not fit", "Missing key"] if rank == 1 else
+           ["failed on rank 1", "Missing key", "replicas now differ"], torch_checkpoint.load_checkpoint, good, more)
+assert hvddp.allreduce(np.ones(1), name="after.disagreeing.checkpoints", op=hvddp.Sum)[0] == hvddp.size()
+
+# A path that is a symbolic link: the file it names is replaced, the link stays (os.replace put
+# a plain file in the link's place).
+if rank == 0:
+    target, link = os.path.join(directory, "target.pkl"), os.path.join(directory, "link.pkl")
+    checkpoint.atomic_write(target, b"old")
+    os.symlink(target, link)
+    checkpoint.atomic_write(link, b"new")
+    assert os.path.islink(link) and open(target, "rb").read() == b"new"
+
 sys.stdout.write(f"rank {rank}: CHECKPOINT OK\n")
 sys.stdout.flush()

@@ -1377,3 +1377,32 @@ def test_checkpoint_resume_keeps_each_ranks_local_layer():
     unbuilt = keras.Sequential([layers.Dense(3)])
     with pytest.raises(hvd.HvddpError, match="save_checkpoint: the model is not built"):
         save_checkpoint(os.path.join(directory, "unbuilt.ckpt"), unbuilt)
+
+
+@pytest.mark.skipif(SIZE != 2, reason="two ranks passing different arguments")
+def test_checkpoint_calls_that_differ_between_ranks_raise_on_every_rank():
+    """A different rng= (only some ranks gathered RNG states: the job hung), a bad path on one rank
+    (it raised there alone, the others waited), and a model that does not fit on one rank (it
+    raised there alone, the others loaded) all raise on every rank, and nothing was loaded."""
+    from hvddp.keras.checkpoint import load_checkpoint, save_checkpoint
+
+    def model(units):
+        keras.utils.set_random_seed(RANK)
+        built = keras.Sequential([keras.Input((4,)), layers.Dense(units)])
+        built.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+        return built
+
+    path = os.path.join(shared_directory("differ.ckpt"), "differ.ckpt")
+    save_checkpoint(path, model(3))
+    with pytest.raises(hvd.MismatchError, match=r"save_checkpoint: the ranks passed different rng \(rank 0: True, "
+                                                r"rank 1: False\)"):
+        save_checkpoint(path, model(3), rng=RANK == 0)
+    with pytest.raises(TypeError if RANK else hvd.MismatchError, match="path must be a file path"):
+        save_checkpoint(path if RANK == 0 else 7, model(3))
+    mine = model(3 + RANK)
+    before = [w.copy() for w in mine.get_weights()]
+    with pytest.raises(hvd.HvddpError, match="has shape" if RANK else "failed on rank 1.*nothing was loaded on any"):
+        load_checkpoint(path, mine)
+    for got, want in zip(mine.get_weights(), before):
+        np.testing.assert_array_equal(got, want)
+    assert ops.convert_to_numpy(hvd.allreduce(np.ones(1), op=hvd.Sum, name="after.differ"))[0] == 2

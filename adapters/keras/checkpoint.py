@@ -64,14 +64,19 @@ def _values(variables) -> List[tuple]:
     return [(v.path, tuple(v.shape), keras.ops.convert_to_numpy(v.value)) for v in variables]
 
 
-def _assign(variables, saved: List[tuple], what: str, path: str) -> None:
+def _check_fit(variables, saved: List[tuple], what: str, path: str) -> None:
+    """Refuse saved values that do not fit ``variables``, before any is assigned."""
     if len(variables) != len(saved):
         raise _core.CheckpointError(f"checkpoint {path!r} has {len(saved)} {what} variables, this "
                                     f"model has {len(variables)}: build the same model as the one saved.")
-    for v, (name, shape, value) in zip(variables, saved):
+    for v, (name, shape, _) in zip(variables, saved):
         if tuple(v.shape) != tuple(shape):
             raise _core.CheckpointError(f"checkpoint {path!r}: {what} variable {v.path!r} has shape "
                                         f"{tuple(v.shape)}, the saved {name!r} {tuple(shape)}.")
+
+
+def _assign(variables, saved: List[tuple]) -> None:
+    for v, (_, _, value) in zip(variables, saved):
         v.assign(value)
 
 
@@ -196,11 +201,17 @@ def save_checkpoint(path: Union[str, os.PathLike], model: keras.Model, optimizer
 
     Raises:
         CheckpointError: on every rank, when the root could not write the file.
+        MismatchError: on every rank, when the ranks passed different arguments (``rng``,
+            ``root_rank``, which objects) or one rank's were invalid (it raises its own error).
     """
-    _check_arguments("save_checkpoint", path, model)
-    root_rank = _core.root_of(root_rank, "save_checkpoint", process_set)
-    if not hvddp.allgather_object(bool(model.built), name="__hvddp.keras.checkpoint.built",
-                                  process_set=process_set) == [True] * process_set.size():
+    def describe() -> Dict[str, Any]:  # checked on every rank at once: the gathers below need the same
+        _check_arguments("save_checkpoint", path, model)
+        return {"root_rank": _core.root_of(root_rank, "save_checkpoint", process_set), "rng": bool(rng),
+                **_given(model, optimizer), "_built": bool(model.built)}
+
+    every = _core.agree("save_checkpoint", describe, process_set)
+    root_rank = every[0]["root_rank"]
+    if not all(d["_built"] for d in every):
         raise _core.CheckpointError("save_checkpoint: the model is not built on every rank, so it has no "
                                     "variables to save: build it first (call it on a batch, give it an "
                                     "Input, or save after fit()).")
@@ -243,9 +254,17 @@ def load_checkpoint(path: Union[str, os.PathLike], model: keras.Model, optimizer
         ``root_rank`` finds no file at ``path``.
 
     Raises:
-        CheckpointError: on every rank, when the file cannot be read or does not fit the model.
+        CheckpointError: on every rank, when the file cannot be read or does not fit the model on
+            some rank (nothing is assigned then).
+        MismatchError: on every rank, when the ranks passed different arguments or one rank's
+            were invalid (it raises its own error).
     """
-    _check_arguments("load_checkpoint", path, model)
+    def describe() -> Dict[str, Any]:  # every rank loads into the same kinds of objects
+        _check_arguments("load_checkpoint", path, model)
+        return {"root_rank": _core.root_of(root_rank, "load_checkpoint", process_set), "rng": bool(rng),
+                **_given(model, optimizer)}
+
+    root_rank = _core.agree("load_checkpoint", describe, process_set)[0]["root_rank"]
     path = os.fspath(path)
     state = _core.load(path, None, root_rank, process_set)
     if state is None:
@@ -256,22 +275,21 @@ def load_checkpoint(path: Union[str, os.PathLike], model: keras.Model, optimizer
     _sync(model)
     shared, own = _split(model)
     optimizer = _optimizer(model, optimizer)
-    saved_kind = state.get("optimizer_kind")
-    if optimizer is not None and saved_kind is not None and _kind(optimizer) != saved_kind:
-        raise _core.CheckpointError(f"checkpoint {path!r} holds the state of an optimizer of class "
-                                    f"{saved_kind}, this model's is {_kind(optimizer)}: its slots would load "
-                                    f"into the wrong variables. Compile with the optimizer that was saved.")
     local = _local_ids(optimizer)
     per_rank = state["rng"]
     matched = per_rank is not None and len(per_rank) == process_set.size()
     mine = per_rank[process_set.rank()] if matched else {}
     restore_local = "local" in mine and optimizer is not None and bool(local)
-    if restore_local and len(mine["local"]) != len(local):  # checked before anything is assigned
-        raise _core.CheckpointError(f"checkpoint {path!r} has {len(mine['local'])} local variables, this "
-                                    f"model's optimizer has {len(local)}: register the same local layers.")
-    _assign(shared, state["variables"], "model", path)
+    seeds = matched and rng and "seeds" in mine
+    error = None
+    try:  # on every rank's own model before anything is assigned: a refused file changes nothing
+        _check_loadable(path, state, mine, shared, own, optimizer, local, restore_local, seeds)
+    except Exception as exc:
+        error = exc
+    _core.all_succeeded("load_checkpoint", path, error, "nothing was loaded on any rank", process_set)
+    _assign(shared, state["variables"])
     if optimizer is not None and state["optimizer"] is not None:
-        _assign(list(optimizer.variables), state["optimizer"], "optimizer", path)
+        _assign(list(optimizer.variables), state["optimizer"])
     if matched:
         if "local" in mine and not restore_local and process_set.rank() == 0:
             import logging  # (an evaluation job without local layers, or a model not compiled yet)
@@ -282,14 +300,14 @@ def load_checkpoint(path: Union[str, os.PathLike], model: keras.Model, optimizer
                 "has no optimizer yet (compile it before load_checkpoint to restore them)"
                 if optimizer is None else "registers no local variables")
         if restore_local:  # this rank's local variables and optimizer variables
-            _assign([v for v in shared if id(v) in local], mine["local"], "local", path)
-            _assign(list(optimizer.variables), mine["optimizer"], "optimizer", path)
+            _assign([v for v in shared if id(v) in local], mine["local"])
+            _assign(list(optimizer.variables), mine["optimizer"])
             # every rank now holds the root's shared values and its own local ones: the broadcast
             # callback of the next fit() would copy the root's optimizer slots of the local
             # variables over this rank's, so it is skipped there (_restored_per_rank)
             object.__setattr__(model, "_hvddp_restored_per_rank", _iterations(optimizer))
-        if rng and "seeds" in mine:
-            _assign(own, mine["seeds"], "seed-generator", path)
+        if seeds:
+            _assign(own, mine["seeds"])
             _set_global_rng(mine)
             # Keras' first fit() on a model draws random numbers while it builds the train function;
             # the callbacks' on_train_begin sets these states again after that (_settle_pending_rng)
@@ -301,6 +319,35 @@ def load_checkpoint(path: Union[str, os.PathLike], model: keras.Model, optimizer
             "checkpoint %r was saved by %d ranks, this job has %d: RNG, seed-generator and local "
             "variable states not restored (rank 0's are used).", path, len(per_rank), process_set.size())
     return {"epoch": state["epoch"], "step": state["step"], "extra": state["extra"]}
+
+
+def _given(model, optimizer) -> Dict[str, bool]:
+    """Whether a call has an optimizer to save or load, and with per-rank local variables: every
+    rank must have the same (they decide which collectives the call runs)."""
+    if optimizer is None:
+        optimizer = getattr(model, "optimizer", None)
+    return {"optimizer": optimizer is not None, "local variables": bool(_local_ids(optimizer))}
+
+
+def _check_loadable(path: str, state: Dict[str, Any], mine: Dict[str, Any], shared, own, optimizer, local,
+                    restore_local: bool, seeds: bool) -> None:
+    """Refuse a checkpoint this rank's model and optimizer cannot take, before anything is assigned."""
+    saved_kind = state.get("optimizer_kind")
+    if optimizer is not None and saved_kind is not None and _kind(optimizer) != saved_kind:
+        raise _core.CheckpointError(f"checkpoint {path!r} holds the state of an optimizer of class "
+                                    f"{saved_kind}, this model's is {_kind(optimizer)}: its slots would load "
+                                    f"into the wrong variables. Compile with the optimizer that was saved.")
+    if restore_local and len(mine["local"]) != len(local):
+        raise _core.CheckpointError(f"checkpoint {path!r} has {len(mine['local'])} local variables, this "
+                                    f"model's optimizer has {len(local)}: register the same local layers.")
+    _check_fit(shared, state["variables"], "model", path)
+    if optimizer is not None and state["optimizer"] is not None:
+        _check_fit(list(optimizer.variables), state["optimizer"], "optimizer", path)
+    if restore_local:
+        _check_fit([v for v in shared if id(v) in local], mine["local"], "local", path)
+        _check_fit(list(optimizer.variables), mine["optimizer"], "optimizer", path)
+    if seeds:
+        _check_fit(own, mine["seeds"], "seed-generator", path)
 
 
 class CheckpointCallback(keras.callbacks.Callback):

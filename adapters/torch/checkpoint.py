@@ -109,10 +109,17 @@ def save_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Modu
 
     Raises:
         CheckpointError: on every rank, when the root could not write the file.
+        MismatchError: on every rank, when the ranks passed different arguments (``rng``,
+            ``root_rank``, which objects) or one rank's were invalid (it raises its own error).
     """
-    root_rank = _core.root_of(root_rank, "save_checkpoint", process_set)
-    rngs = hvddp.allgather_object(rng_state(), name="__hvddp.torch.checkpoint.rng",
-                                  process_set=process_set) if rng else None
+    def describe() -> Dict[str, Any]:  # checked on every rank at once, and this rank's RNG states
+        _core.file_path(path, "save_checkpoint")
+        return {"root_rank": _core.root_of(root_rank, "save_checkpoint", process_set), "rng": bool(rng),
+                **_given(model, optimizer, scheduler), "_rng": rng_state() if rng else None}
+
+    every = _core.agree("save_checkpoint", describe, process_set)
+    root_rank = every[0]["root_rank"]
+    rngs = [d["_rng"] for d in every] if rng else None
 
     def data(f):  # the root gathers the state in here: a failure is reported on every rank
         state = {
@@ -157,43 +164,44 @@ def load_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Modu
         ``root_rank`` finds no file at ``path`` (a fresh start).
 
     Raises:
-        CheckpointError: on every rank, when the file cannot be read or is not such a checkpoint.
+        CheckpointError: on every rank, when the file cannot be read or is not such a checkpoint,
+            or does not fit the objects given on some rank (nothing is loaded then).
+        MismatchError: on every rank, when the ranks passed different arguments or one rank's
+            were invalid (it raises its own error).
     """
-    root_rank = _core.root_of(root_rank, "load_checkpoint", process_set)
+    def describe() -> Dict[str, Any]:  # every rank loads into the same kinds of objects
+        _core.file_path(path, "load_checkpoint")
+        return {"root_rank": _core.root_of(root_rank, "load_checkpoint", process_set), "rng": bool(rng),
+                "weights_only": bool(weights_only), "strict": bool(strict),
+                **_given(model, optimizer, scheduler)}
+
+    root_rank = _core.agree("load_checkpoint", describe, process_set)[0]["root_rank"]
+    path = os.fspath(path)
     data = _core.load_bytes(path, root_rank, process_set)
     if data is None:
         return None
-    try:
-        state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
-        if not isinstance(state, dict) or state.get("format") != FORMAT:
-            raise ValueError(f"not written by hvddp.torch.checkpoint.save_checkpoint (format "
-                             f"{state.get('format') if isinstance(state, dict) else type(state).__name__!r})")
-    except Exception as exc:  # the same bytes on every rank: every rank fails alike
-        raise _core.CheckpointError(f"checkpoint {os.fspath(path)!r} cannot be loaded: "
-                                    f"{type(exc).__name__}: {exc}") from exc
     given = [(what, obj) for what, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler))
              if obj is not None]
-    for what, obj in given:  # before anything is loaded, so a refused file changes nothing
-        if state[what] is None:
-            raise _core.CheckpointError(f"checkpoint {os.fspath(path)!r} has no {what} state, but "
-                                        f"load_checkpoint was given a {what}.")
-    saved_class = state.get("optimizer_class")  # (files from before it was saved have none)
-    if optimizer is not None and saved_class not in (None, type(optimizer).__name__):
-        raise _core.CheckpointError(f"checkpoint {os.fspath(path)!r} holds the state of optimizer class {saved_class}"
-                                    f"; load_checkpoint was given class {type(optimizer).__name__}.")
-    if model is not None:
-        _check_model_fits(path, model, state["model"])
-    if optimizer is not None:
-        _check_optimizer_fits(path, optimizer, state["optimizer"])
+    error = None
+    try:  # before anything is loaded, on every rank's own objects: a refused file changes nothing
+        state = _read(path, data, map_location, weights_only)
+        _check_fits(path, state, given, model, optimizer)
+    except Exception as exc:  # (the same bytes everywhere, but each rank its own objects)
+        error = exc
+    _core.all_succeeded("load_checkpoint", path, error, "nothing was loaded on any rank", process_set)
     for what, obj in given:
         try:
             if what == "model":
                 obj.load_state_dict(state[what], strict=strict)
             else:
                 obj.load_state_dict(state[what])
-        except (RuntimeError, KeyError, ValueError, TypeError) as exc:  # torch's own: every rank alike
-            raise _core.CheckpointError(f"checkpoint {os.fspath(path)!r}: its {what} state does not fit the "
-                                        f"{what} given ({type(exc).__name__}: {exc})") from exc
+        except (RuntimeError, KeyError, ValueError, TypeError) as exc:  # torch's own
+            error = _core.CheckpointError(f"checkpoint {path!r}: its {what} state does not fit the "
+                                          f"{what} given ({type(exc).__name__}: {exc})")
+            error.__cause__ = exc
+            break
+    _core.all_succeeded("load_checkpoint", path, error, "this rank loaded it, so the replicas now differ: "
+                        "give every rank the same model and optimizer, and load again", process_set)
     if rng and state["rng"] is not None:
         if len(state["rng"]) == process_set.size():
             set_rng_state(state["rng"][process_set.rank()])
@@ -202,6 +210,38 @@ def load_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Modu
                         "restored, so random draws will differ from the saving job's.",
                         os.fspath(path), len(state["rng"]), process_set.size())
     return {"epoch": state["epoch"], "step": state["step"], "extra": state["extra"]}
+
+
+def _given(model: Any, optimizer: Any, scheduler: Any) -> Dict[str, bool]:
+    """Which objects a call was given: every rank must give the same ones."""
+    return {"model": model is not None, "optimizer": optimizer is not None, "scheduler": scheduler is not None}
+
+
+def _read(path: str, data: bytes, map_location: Any, weights_only: bool) -> Dict[str, Any]:
+    try:
+        state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
+        if not isinstance(state, dict) or state.get("format") != FORMAT:
+            raise ValueError(f"not written by hvddp.torch.checkpoint.save_checkpoint (format "
+                             f"{state.get('format') if isinstance(state, dict) else type(state).__name__!r})")
+    except Exception as exc:
+        raise _core.CheckpointError(f"checkpoint {path!r} cannot be loaded: {type(exc).__name__}: {exc}") from exc
+    return state
+
+
+def _check_fits(path: str, state: Dict[str, Any], given: list, model: Any, optimizer: Any) -> None:
+    """Refuse a saved state that the objects given cannot take, before any is loaded."""
+    for what, obj in given:
+        if state[what] is None:
+            raise _core.CheckpointError(f"checkpoint {path!r} has no {what} state, but "
+                                        f"load_checkpoint was given a {what}.")
+    saved_class = state.get("optimizer_class")  # (files from before it was saved have none)
+    if optimizer is not None and saved_class not in (None, type(optimizer).__name__):
+        raise _core.CheckpointError(f"checkpoint {path!r} holds the state of optimizer class {saved_class}"
+                                    f"; load_checkpoint was given class {type(optimizer).__name__}.")
+    if model is not None:
+        _check_model_fits(path, model, state["model"])
+    if optimizer is not None:
+        _check_optimizer_fits(path, optimizer, state["optimizer"])
 
 
 def _check_model_fits(path: Any, model: torch.nn.Module, saved: Any) -> None:
