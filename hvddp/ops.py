@@ -625,12 +625,12 @@ def alltoall_async(tensor: np.ndarray, splits: Optional[Sequence[int]] = None, n
     must divide by the set's size. The handle's result is ``(output, received_splits)``.
     """
     return _gather_like(Kind.ALLTOALL, "alltoall", [tensor], name, process_set, False,
-                        check=lambda arrays, view: _alltoall_splits(arrays[0], splits, view))
+                        check=lambda arrays, view: _alltoall_splits(arrays[0], splits, view, name))
 
 
-def _alltoall_splits(array, splits, view):
+def _alltoall_splits(array, splits, view, name=None):
     """alltoall's rows to send (the first ``sum(splits)``) and its ``splits`` field, checked."""
-    fn = "alltoall"
+    fn = f"alltoall {name!r}" if isinstance(name, str) and name else "alltoall"
     rows = array.shape[0]
     if splits is not None and not isinstance(splits, (str, bytes)) and np.size(splits) == 0:
         splits = None

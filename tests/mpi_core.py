@@ -214,6 +214,11 @@ def test_alltoall_equal_and_given_splits():
     out, received = hvddp.alltoall(x, splits=splits, name="a2a.splits")
     assert received.tolist() == [R + 1] * N
     np.testing.assert_array_equal(out[:, 0], np.concatenate([[R + 100 * r] * (R + 1) for r in range(N)]))
+    # a call bad on every rank names itself (the message said only "alltoall")
+    with pytest.raises(ValueError, match="alltoall 'a2a.past': splits must be"):
+        hvddp.alltoall(np.ones(N), splits=[2] * N, name="a2a.past")
+    with pytest.raises(ValueError, match="alltoall 'a2a.uneven': tensor's first dimension"):
+        hvddp.alltoall(np.ones(N + 1), name="a2a.uneven")
 
 
 def test_reducescatter_uneven_rows():

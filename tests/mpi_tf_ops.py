@@ -160,6 +160,9 @@ def test_horovod_signatures_and_unsigned_copies():
         hvd.broadcast_object(1, 0, object())
     with pytest.raises(TypeError, match=r"^allreduce: tensor is a RaggedTensor.*to_tensor"):
         hvd.allreduce(tf.ragged.constant([[1.0], [2.0, 3.0]]), name="t.sig.ragged")
+    for bad in (tf.constant(["a"]), tf.constant([1 + 2j])):  # named as TensorFlow's (was numpy's "object")
+        with pytest.raises(TypeError, match=rf"^broadcast: tensor has dtype {bad.dtype.name}, .*tf\.cast"):
+            hvd.broadcast(bad, 0, name="t.sig.str")
     v = tf.Variable([1.0, 2.0])
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(v * v) * float(RANK + 1)
@@ -445,6 +448,13 @@ def test_tensorflow_distributed_optimizer_is_the_keras_one():
     v = keras.Variable(np.zeros(2, "float32"))
     opt.apply_gradients([(tf.constant([float(RANK), 1.0]), v)])
     np.testing.assert_allclose(v.numpy(), [-(SIZE - 1) / 2, -1.0])  # the average gradient
+    # plain tf.Variables, as Horovod's TF2 loops have (Keras 3 optimizers take them; hvddp's
+    # labels read the Keras path and raised AttributeError), eagerly and in a tf.function
+    plain = tf.Variable([0.0, 0.0], name="plain")
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0))
+    opt.apply_gradients([(tf.constant([float(RANK), 1.0]), plain)])
+    tf.function(lambda: opt.apply_gradients([(tf.constant([float(RANK), 1.0]), plain)]))()
+    np.testing.assert_allclose(plain.numpy(), [-(SIZE - 1), -2.0])
     with pytest.raises(TypeError, match="keras.optimizers.Optimizer"):
         hvd.DistributedOptimizer(object())
     with pytest.raises(hvd.HvddpError, match="broadcast_variables"):
@@ -470,8 +480,10 @@ def test_tape_gradient_only_some_ranks_have():
             loss = tf.reduce_sum(w * 2.0) + (tf.reduce_sum(v) if RANK == 0 else 0.0)
         return hvd.DistributedGradientTape(tape).gradient(loss, [v, w])
 
-    with pytest.raises(tf.errors.InvalidArgumentError, match="None on some ranks"):
+    with pytest.raises(tf.errors.InvalidArgumentError, match="None on some ranks") as raised:
         step()
+    # (the variable it is, not only a vector of shares)
+    assert "sometimes" in str(raised.value) and "always" not in str(raised.value), raised.value
 
 
 def test_ranks_outside_the_process_set_keep_their_own_gradients():

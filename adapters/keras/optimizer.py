@@ -71,7 +71,7 @@ class _DistributedOptimizerMixin:
         out = list(grads)
         if which and ps.included() and ps.size() > 1:
             maxed = _backend.reduce_gradients([grads[i] for i in which], [variables[i] for i in which],
-                                              [variables[i].path for i in which], "keras.grads.overwrite",
+                                              [_label(variables[i], i) for i in which], "keras.grads.overwrite",
                                               hvddp.Max, 1.0, 1.0, Compression.none, ps)
             for i, g in zip(which, maxed):
                 out[i] = g
@@ -136,7 +136,7 @@ class _DistributedOptimizerMixin:
         present = [g is not None for g in grads]
         grads = [keras.ops.zeros(v.shape, dtype=v.dtype) if g is None else g
                  for g, v in zip(grads, variables)]
-        labels = [v.path for v in variables]
+        labels = [_label(v, i) for i, v in enumerate(variables)]
         flagged = _backend.name() != "jax"  # JAX never gives None; the others may, per rank
         if flagged:  # which ranks have each gradient, as one more member: 1 per gradient, then a 1
             grads.append(keras.ops.convert_to_tensor(np.array(present + [True], dtype="float32")))
@@ -146,7 +146,7 @@ class _DistributedOptimizerMixin:
         reduced = _backend.reduce_gradients(grads, variables, labels, "keras.grads", settings["op"],
                                             settings["gradient_predivide_factor"], settings["postscale"],
                                             settings["compression"], ps, counts, settings["sparse_as_dense"])
-        return _drop_absent(reduced[:-1], reduced[-1], present) if flagged else reduced
+        return _drop_absent(reduced[:-1], reduced[-1], present, labels[:-1]) if flagged else reduced
 
     def __deepcopy__(self, memo):
         """A copy that reduces as this one does, with its state (Keras copies an optimizer through
@@ -294,7 +294,7 @@ def average_accumulators(optimizer: Any, process_set: ProcessSet, name: str) -> 
     if not accumulators:
         return
     values = [np.array(_backend.to_numpy(a)) for a in accumulators]
-    averaged = _grouping.reduce_group(values, name, [v.path for v in shared], hvddp.Average, 1.0, 1.0,
+    averaged = _grouping.reduce_group(values, name, [_label(v, i) for i, v in enumerate(shared)], hvddp.Average, 1.0, 1.0,
                                       Compression.none, ps)
     for accumulator, value in zip(accumulators, averaged):
         accumulator.assign(value)
@@ -327,6 +327,16 @@ def _check_no_global_clipnorm(optimizer: Any) -> None:
             f"would include each rank's own local gradients, so every rank would clip the averaged "
             f"gradients by a different factor and the replicas would drift apart. Use clipnorm (per "
             f"variable) or clipvalue, or no local variables.")
+
+
+def _label(variable: Any, index: int) -> str:
+    """How error messages name ``variable``'s gradient: a Keras variable's ``path``, a plain
+    ``tf.Variable``'s ``name`` (Keras 3 optimizers take those too), else its position."""
+    for attr in ("path", "name"):
+        value = getattr(variable, attr, None)
+        if isinstance(value, str) and value:
+            return value
+    return f"variable{index}"
 
 
 def _overwritten(variable: Any) -> bool:
@@ -366,13 +376,13 @@ def _scaled(grad: Any, factor: Any) -> Any:
     return grad * factor
 
 
-def _drop_absent(reduced: List[Any], flags: Any, present: List[bool]) -> List[Any]:
+def _drop_absent(reduced: List[Any], flags: Any, present: List[bool], labels: List[str]) -> List[Any]:
     """None for the gradients no rank had (see ``hvddp.tensorflow.ops.drop_absent``, which the
     TensorFlow backend uses, also inside a ``tf.function``)."""
     if _backend.name() == "tensorflow":
         from hvddp.tensorflow.ops import drop_absent
 
-        return drop_absent(reduced, flags, present, "hvddp.keras")
+        return drop_absent(reduced, flags, present, "hvddp.keras", labels)
     share = np.asarray(keras.ops.convert_to_numpy(flags), dtype=np.float64)
     return [None if share[i] == 0.0 else r for i, r in enumerate(reduced)]
 

@@ -81,7 +81,8 @@ class _DistributedGradientTapeMixin:
                                               labels + ["(which gradients exist)"], "tf.grads", settings["op"],
                                               settings["gradient_predivide_factor"], settings["compression"],
                                               ps, counts=1, sparse_as_dense=settings["sparse_as_dense"])
-        reduced = drop_absent(reduced[:-1], reduced[-1], present, "hvddp.tensorflow.DistributedGradientTape")
+        reduced = drop_absent(reduced[:-1], reduced[-1], present, "hvddp.tensorflow.DistributedGradientTape",
+                              labels)
         out = list(flat_grads)
         for i, g in zip(shared, reduced):
             out[i] = g

@@ -32,6 +32,7 @@ import hvddp
 from hvddp import Compression, ProcessSet, global_process_set
 
 from hvddp import _grouping, _staged
+from hvddp.ops import SUPPORTED_DTYPES
 
 from .compression import numpy_side
 
@@ -99,7 +100,14 @@ def _dense(tensor: Any, fn: str) -> tf.Tensor:
     if isinstance(tensor, (tf.RaggedTensor, tf.SparseTensor)):  # (TensorFlow's own error said "no len()")
         raise TypeError(f"{fn}: tensor is a {type(tensor).__name__}, which hvddp does not reduce or gather; "
                         f"pass a dense tensor (.to_tensor(), or tf.sparse.to_dense()) or its values.")
-    return tf.convert_to_tensor(tensor)
+    tensor = tf.convert_to_tensor(tensor)
+    if not (tensor.dtype.is_floating or tensor.dtype.is_integer or tensor.dtype.is_bool):
+        # (strings and complex numbers: the core saw them as numpy's object or complex dtypes)
+        raise TypeError(f"{fn}: tensor has dtype {tensor.dtype.name}, which hvddp does not support; "
+                        f"supported: {', '.join(SUPPORTED_DTYPES)} (and uint16, uint32, uint64 for the "
+                        f"collectives that move data without arithmetic). Cast it first, e.g. "
+                        f"tf.cast(tensor, tf.float32).")
+    return tensor
 
 
 def _set_rank(process_set: ProcessSet) -> int:
@@ -397,7 +405,7 @@ def _summed_in_backward(x: tf.Tensor, size: float) -> tf.Tensor:
     return identity(x)
 
 
-def drop_absent(reduced: List[Any], flags: Any, present: List[bool], who: str) -> List[Any]:
+def drop_absent(reduced: List[Any], flags: Any, present: List[bool], who: str, labels: List[str]) -> List[Any]:
     """None for the gradients no rank had, so an optimizer skips them as it would in one process
     (no weight decay, no momentum step on an unused variable).
 
@@ -406,15 +414,16 @@ def drop_absent(reduced: List[Any], flags: Any, present: List[bool], who: str) -
     gradient i. Eagerly that decides per variable. In a ``tf.function`` it is not known when the
     step is traced: a gradient is dropped where it was None here (TensorFlow's None is a property
     of the traced graph, the same on every rank of one model), and a runtime check raises on
-    every rank if some rank had it after all.
+    every rank if some rank had it after all, naming those gradients (``labels``).
     """
     if not tf.executing_eagerly():
         share = flags[:-1] / flags[-1]
-        partial = tf.reduce_any(tf.logical_and(share > 0.0, share < 1.0))
-        check = tf.debugging.Assert(tf.logical_not(partial), [
+        partial = tf.logical_and(share > 0.0, share < 1.0)
+        check = tf.debugging.Assert(tf.logical_not(tf.reduce_any(partial)), [
             f"{who}: a gradient is None on some ranks and not on others inside a tf.function "
-            "(rank-dependent model code?); every rank must compute the same gradients. Shares of "
-            "ranks with each gradient:", share])
+            "(rank-dependent model code?); every rank must compute the same gradients. The "
+            "gradients:", tf.boolean_mask(tf.constant(labels, dtype=tf.string), partial),
+            "the share of ranks that have each of them:", tf.boolean_mask(share, partial)])
         with tf.control_dependencies([check]):
             return [tf.identity(r) if p else None for r, p in zip(reduced, present)]
     share = np.asarray(flags, dtype=np.float64)
