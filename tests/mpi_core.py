@@ -493,6 +493,15 @@ def test_a_joined_rank_leaves_min_max_and_product_to_the_others(elements):
         np.testing.assert_allclose(out.astype(np.float64), expected, rtol=1e-3, err_msg=f"{dtype} {op}")
     flags = hvddp.allreduce(np.ones(elements, dtype=bool), op=hvddp.Min, name=f"joined.bool.{elements}")
     assert flags.all()  # logical and over the ranks with data: the joined rank's True leaves it
+    # with a prescale: only the ranks' data is scaled, not the joined rank's identity (scaled, it
+    # became -inf for Min and +inf for Max by -1, and a Product took the factor once more)
+    live = np.arange(2, N + 1, dtype=np.float64)
+    for dtype, op, pre, expected in [("float32", hvddp.Min, -1.0, -live.max()), ("float64", hvddp.Max, -1.0, -live.min()),
+                                     ("int32", hvddp.Min, -1, -live.max()),
+                                     ("float64", hvddp.Product, 2.0, np.prod(live * 2.0))]:
+        out = hvddp.allreduce(np.full(elements, value, dtype=dtype), op=op, prescale_factor=pre,
+                              name=f"joined.pre.{dtype}.{op}.{elements}")
+        np.testing.assert_allclose(out.astype(np.float64), expected, err_msg=f"{dtype} {op} prescale {pre}")
     hvddp.join()
 
 

@@ -297,7 +297,7 @@ class Executor:
                 src, dst = _buffers(request, entry, self.pool)
                 if tl:
                     tl.activity(request.key(), "MPI_ALLREDUCE")
-                if pre != 1.0:
+                if pre != 1.0 and entry is not None:  # (a joined rank's identity stays unscaled)
                     _scaled_copy(dst, src, pre)
                     src = dst
                 if src is dst:
@@ -365,7 +365,8 @@ class Executor:
             srcs, dsts = [], []
             for request, entry, _ in group:
                 src, dst = _buffers(request, entry, self.pool)
-                if pre != 1.0:  # into a private array: an output may be shared (see _unalias)
+                if pre != 1.0 and entry is not None:  # into a private array: an output may be
+                    # shared (see _unalias); a joined rank's identity stays unscaled
                     scaled = src if src is dst else np.empty_like(src)
                     _scaled_copy(scaled, src, pre)
                     src = scaled
