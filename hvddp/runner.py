@@ -59,6 +59,7 @@ _SETTINGS = {
 # too, under the same spellings, or unknown to it: its autotune, hierarchical and Gloo settings)
 _ELASTIC = "hvddp's elastic API runs at a fixed size: give -np"
 _SSH = "set it in ~/.ssh/config, which the MPI launcher's ssh reads"
+_NO_TIMESTAMP = "hvddp's log lines carry no timestamp"
 _NIC = 'the MPI library\'s own setting, e.g. --mpi-args="-iface eth0" (MPICH)'
 _HOROVODRUN_ONLY = {
     "--output-filename": 'the launcher\'s own option, e.g. --mpi-args="-outfile-pattern out.%r" (MPICH) '
@@ -73,6 +74,12 @@ _HOROVODRUN_ONLY = {
     "--tcp": "the MPI library's own setting, through --mpi-args",
     "--mpi-threads-disable": "hvddp needs MPI's thread support (its engine runs in a thread)",
     "--config-file": "pass the settings as options or HVDDP_* variables",
+    "--prefix-output-with-timestamp": "the launcher's own option, e.g. --mpi-args=\"--timestamp-output\" (Open MPI)",
+    "--binding-args": "the launcher's own binding options, through --mpi-args",
+    "--num-nccl-streams": "hvddp uses one NCCL stream per device",
+    "--thread-affinity": "bind the ranks with the launcher (--mpi-args) or taskset",
+    "--elastic-timeout": _ELASTIC,
+    "--log-without-timestamp": _NO_TIMESTAMP, "--log-hide-timestamp": _NO_TIMESTAMP,
 }
 
 
@@ -84,8 +91,12 @@ class _Parser(argparse.ArgumentParser):
             message += " (horovodrun options hvddprun does not take; instead, " + "; ".join(hints) + ")"
         super().error(message)
 
-# Forwarded to remote ranks by Open MPI (which forwards nothing by default) when set.
+# Forwarded to remote ranks by Open MPI (which forwards nothing by default) when set: these, and
+# every variable with one of the prefixes (hvddp's and Horovod's settings, which init() compares
+# across ranks, and the frameworks' and libraries' own); others through --mpi-args="-x NAME".
 _FORWARD = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "OMP_NUM_THREADS")
+_FORWARD_PREFIXES = ("HVDDP_", "HOROVOD_", "NCCL_", "CUDA_", "CUPY_", "KERAS_", "TF_", "JAX_", "XLA_",
+                     "PYTORCH_", "TORCH_", "MKL_", "OPENBLAS_", "MALLOC_", "PYTHON")
 
 
 class Launch(NamedTuple):
@@ -210,7 +221,11 @@ def parse_hosts(text: str) -> List[Tuple[str, int]]:
 def parse_hostfile(path: str) -> List[Tuple[str, int]]:
     """Read a hostfile: one host per line as ``host``, ``host:N`` or ``host slots=N``."""
     hosts = []
-    with open(path) as f:
+    try:
+        f = open(path)
+    except OSError as exc:
+        raise ValueError(f"--hostfile {path!r} cannot be read: {exc.strerror or exc}") from None
+    with f:
         for number, line in enumerate(f, 1):
             line = line.split("#", 1)[0].strip()
             if not line:
@@ -259,7 +274,8 @@ def python_command(command: Sequence[str]) -> List[str]:
     if not command:
         return command
     first = command[0]
-    if first.endswith(".py") and not os.access(first, os.X_OK):
+    # (an executable script named without a path too: the launcher would look for it on PATH)
+    if first.endswith(".py") and (not os.access(first, os.X_OK) or ("/" not in first and os.path.isfile(first))):
         command = [sys.executable] + command
     elif "/" not in first and _PYTHON.match(first):
         # A bare `python` must be the interpreter whose mpi4py chose the launcher.
@@ -297,7 +313,9 @@ def settings_env(opts: argparse.Namespace) -> Dict[str, str]:
             env[variable] = convert(value)
             config.from_env({variable: env[variable]})
         except (ValueError, OverflowError) as exc:  # (int(inf) overflows)
-            raise ValueError(f"{flag} {value!r} is not valid ({exc})") from None
+            # in the option's terms: the variable is hvddprun's doing, not the user's
+            why = re.sub(r"^environment variable \S+ is not valid: (.*?)\s*Fix or unset \S+$", r"\1", str(exc))
+            raise ValueError(f"{flag} {value!r} is not valid ({why.rstrip('.')}; sets {variable})") from None
     if getattr(opts, "no_stall_check", False):
         env["HVDDP_STALL_CHECK_DISABLE"] = "1"
     if getattr(opts, "timeline_mark_cycles", False):
@@ -354,8 +372,8 @@ def build_command(launch: Launch, np_: int, command: Sequence[str], env: Dict[st
             cmd += ["--map-by", "slot"]
         if "bind-to" not in given:
             cmd += ["--bind-to", "none"]
-        for name in _FORWARD:
-            if name in os.environ and name not in env:
+        for name in sorted(os.environ):
+            if (name in _FORWARD or name.startswith(_FORWARD_PREFIXES)) and name not in env:
                 cmd += ["-x", name]
         for name, value in env.items():
             cmd += ["-x", f"{name}={value}"]
@@ -378,7 +396,10 @@ def _add_map_by_modifier(args: List[str], modifier: str) -> None:
     for i, arg in enumerate(args):
         if arg.lstrip("-").split("=")[0] != "map-by":
             continue
-        j, value = (i, arg.split("=", 1)[1]) if "=" in arg else (i + 1, args[i + 1] if i + 1 < len(args) else "")
+        if "=" not in arg and (i + 1 >= len(args) or args[i + 1].startswith("-")):
+            raise ValueError(f"--mpi-args: {arg} needs a value (e.g. {arg} slot), got "
+                             f"{'nothing' if i + 1 >= len(args) else repr(args[i + 1])} after it.")
+        j, value = (i, arg.split("=", 1)[1]) if "=" in arg else (i + 1, args[i + 1])
         if modifier.lower() in value.lower():
             return
         value = f"{value}:{modifier}" if value else f"slot:{modifier}"
@@ -504,6 +525,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout", type=float, metavar="S", help="accepted and ignored (as horovodrun's)")
     p.add_argument("--disable-cache", action="store_true", help="accepted and ignored (as horovodrun's)")
     p.add_argument("--mpi", action="store_true", help="accepted and ignored: MPI is hvddprun's only controller")
+    p.add_argument("--stall-check", action="store_true", help="accepted and ignored: the stall check is on by default")
+    p.add_argument("--no-timeline-mark-cycles", action="store_true",
+                   help="accepted and ignored: cycles are not marked by default")
+    p.add_argument("--no-mpi-threads-disable", action="store_true",
+                   help="accepted and ignored: hvddp always uses MPI's thread support")
     p.add_argument("command", nargs="*", help="the command every rank runs (its arguments are its own)")
     return p
 
@@ -630,6 +656,8 @@ def _run(cmd: List[str], status_dir: str, np_: int, monitored: bool = True) -> i
         returncode = 128 - returncode
     code, lines = _faults.report(status_dir, np_, returncode, stopped_by[0] if stopped_by else None,
                                  monitored)
+    if stopped_by and code != 0:  # the signal that stopped the job, as a shell reports one (130: SIGINT)
+        code = 128 + signal.Signals[stopped_by[0]]
     for line in lines:
         print(line, file=sys.stderr)
     if code != 0:  # killed ranks leave their MPI shared memory behind on this node

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
+import unittest.mock
 
 import pytest
 
@@ -92,6 +93,8 @@ def test_hosts_and_hostfile(tmp_path, hosts):
     (["-np", "2", "--output-filename", "out"], ["--output-filename", "horovodrun options", "-outfile-pattern"]),
     (["-np", "2", "--gloo"], ["--gloo", "no Gloo controller"]),
     (["-np", "2", "--cache-capacity", "-1"], ["--cache-capacity", "HVDDP_CACHE_CAPACITY"]),
+    (["-np", "2", "--hostfile", "/nonexistent/hosts"], ["--hostfile '/nonexistent/hosts' cannot be read"]),
+    (["-np", "2", "--num-nccl-streams", "2"], ["--num-nccl-streams", "one NCCL stream"]),
 ])
 def test_bad_arguments_fail_before_launch_naming_the_option(args, words, tmp_path):
     result, elapsed = hvddprun(args + ([] if args[-1].endswith(".py") or args == ["-np", "2"] else ["python", PRINT]),
@@ -127,7 +130,8 @@ def test_horovodrun_spellings(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("localhost slots=2\n")
     result, _ = hvddprun(["-np", "2", "-hostfile", str(hostfile), "--start-timeout", "30", "--disable-cache",
-                          "--mpi", "--dry-run", "python", "train.py"])
+                          "--mpi", "--stall-check", "--no-timeline-mark-cycles", "--no-mpi-threads-disable",
+                          "--dry-run", "python", "train.py"])
     assert result.returncode == 0 and "localhost:2" in result.stdout, result.stdout
     # the command's own arguments are its own, also where they abbreviate two of hvddprun's
     # options (-host: -h or -hostfile; --ver: --version or --verbose), which stopped the run
@@ -178,6 +182,17 @@ def test_open_mpi_flags_root_oversubscribe_and_env():
     assert cmd[cmd.index("-H") + 1] == "a:2,b:2"
     cmd = runner.build_command(launch, 2, ["t"], env, is_root=False, cpu_count=2, mpi_args=["--tag-output"])
     assert "--oversubscribe" not in cmd and cmd[-2:] == ["--tag-output", "t"]
+    # the user's settings reach ranks on other nodes (Open MPI forwards nothing by itself; only
+    # PATH-like variables went, so exported HVDDP_*/NCCL_* settings differed between nodes)
+    exported = {"HVDDP_STALL_CHECK_TIME_SECONDS": "9", "NCCL_DEBUG": "INFO", "KERAS_BACKEND": "jax",
+                "UNRELATED_SECRET": "x"}
+    with unittest.mock.patch.dict(os.environ, exported):
+        cmd = runner.build_command(launch, 2, ["t"], {}, hosts=[("a", 1), ("b", 1)], is_root=False, cpu_count=2)
+    forwarded = {cmd[i + 1] for i, a in enumerate(cmd) if a == "-x"}
+    assert {"HVDDP_STALL_CHECK_TIME_SECONDS", "NCCL_DEBUG", "KERAS_BACKEND", "PATH"} <= forwarded, cmd
+    assert "UNRELATED_SECRET" not in forwarded
+    with pytest.raises(ValueError, match="--map-by needs a value"):  # (an IndexError escaped)
+        runner.build_command(launch, 4, ["t"], {}, is_root=False, cpu_count=2, mpi_args=["--map-by"])
 
 
 @pytest.mark.parametrize("user, expected", [
@@ -220,6 +235,17 @@ def test_hydra_flags_hosts_and_env():
 ])
 def test_python_commands_get_mpi4py(command, expected):
     assert runner.python_command(command) == expected
+
+
+def test_an_executable_script_named_without_a_path_runs_with_the_interpreter(tmp_path, monkeypatch):
+    """``hvddprun -np 2 train.py`` with train.py executable: the launcher looked for it on PATH
+    and every rank failed with "No such file"."""
+    script = tmp_path / "train.py"
+    script.write_text("#!/usr/bin/env python\n")
+    script.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    assert runner.python_command(["train.py", "-v"]) == [sys.executable, "-m", "mpi4py", "train.py", "-v"]
+    assert runner.python_command(["./train.py"]) == ["./train.py"]  # (a path: started as it is)
 
 
 def test_hostfile_formats(tmp_path):
@@ -376,7 +402,7 @@ def test_a_signal_to_hvddprun_alone_stops_the_job(signame):
         except subprocess.TimeoutExpired:  # show what hvddprun said before it hung
             os.killpg(proc.pid, signal.SIGKILL)
             pytest.fail(f"hvddprun still ran 30 s after {signame}:\n{proc.communicate()[0]}")
-        assert proc.returncode != 0, out
+        assert proc.returncode == 128 + getattr(signal, signame), out  # as a shell reports it (was hydra's code)
         assert time.monotonic() - start < 20, out
         assert f"hvddprun: stopped by {signame}, which it passed on to the launcher.\n" in out, out
         # then the ranks: raised KeyboardInterrupt (SIGINT) or were stopped by the launcher
