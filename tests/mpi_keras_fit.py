@@ -446,6 +446,21 @@ def test_schedule_callback_staircase():
     used = -np.diff([0.0] + record.values)
     want = [1.0] * steps + [0.05] * steps + [0.005] * steps + [0.005] * steps
     np.testing.assert_allclose(used, want, rtol=1e-5, atol=1e-6)  # float32 weights near 1
+    # verbose: the rate set at each epoch's start is shown on rank 0 (it went to INFO, which
+    # hvddp's logger hides unless HVDDP_LOG_LEVEL asks for it)
+    import logging
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("hvddp").addHandler(handler)
+    try:
+        model.fit(x, y, batch_size=2, epochs=2, verbose=0, shuffle=False, callbacks=[
+            hvd.callbacks.LearningRateScheduleCallback(0.5, lambda e: 0.1 ** e, verbose=1)])
+    finally:
+        logging.getLogger("hvddp").removeHandler(handler)
+    rates = [m for m in seen if "learning rate set to" in m]
+    assert rates == (["epoch 1: learning rate set to 0.5", "epoch 2: learning rate set to 0.05"] if RANK == 0 else []), seen
 
 
 @keras.saving.register_keras_serializable(package="hvddp_tests")
@@ -1297,6 +1312,19 @@ def test_callbacks_on_a_set_leave_ranks_outside_it_alone():
         hvd.callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=-1)
     hvd.callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=0)  # no warm-up, as in Horovod
     hvd.callbacks.LearningRateScheduleCallback(0.1, np.array(0.5))  # float() takes a 0-d array
+    # so does initial_lr (a 0-d array, the optimizer's rate as a variable), as Horovod's does
+    for rate in (np.array(0.25), keras.Variable(0.25)):
+        assert hvd.callbacks.LearningRateWarmupCallback(rate).initial_lr == pytest.approx(0.25)
+    if SIZE > 1:  # a root outside the set is refused on every rank (it was on the members only,
+        # and the others went on into fit's reductions and waited)
+        members = hvd.add_process_set([0])
+        try:
+            outside = hvd.callbacks.BroadcastGlobalVariablesCallback(1, process_set=members)
+            outside.set_model(make_model(seed=0, unused=False))
+            with pytest.raises(ValueError, match="must be one of"):
+                outside.on_train_begin()
+        finally:
+            hvd.remove_process_set(members)
 
 
 def test_float8_scales_of_a_local_layer_stay_this_ranks():

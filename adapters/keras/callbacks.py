@@ -11,6 +11,7 @@ import numpy as np
 
 import hvddp
 from hvddp import ProcessSet, global_process_set
+from hvddp.checkpoint import root_of
 
 from . import _backend
 from .functions import broadcast_variables
@@ -83,6 +84,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         if self.broadcast_done:
             return
         if not self.process_set.included():  # trains on its own, as the optimizer does there
+            # (a root outside the set is refused on every rank, not only on the members)
+            root_of(self.root_rank, type(self).__name__, self.process_set)
             self.broadcast_done = True
             return
         # ... and on skipping it when every rank's load_checkpoint just restored the ranks' own
@@ -192,7 +195,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         momentum_correction: accepted for Horovod compatibility. Keras 3 optimizers compile
             their momentum as a constant into the training step, so it is not rescaled.
         steps_per_epoch: batches per epoch; taken from ``fit`` when None.
-        verbose: log changes on rank 0.
+        verbose: log the rate set at the start of each epoch, on rank 0.
     """
 
     def __init__(self, initial_lr: Optional[float], multiplier: Union[float, Callable[[float], float]],
@@ -200,9 +203,15 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
                  momentum_correction: bool = True, steps_per_epoch: Optional[int] = None, verbose: int = 0):
         super().__init__()
         who = type(self).__name__
-        if initial_lr is not None and (isinstance(initial_lr, bool) or not isinstance(initial_lr, numbers.Real)):
-            raise TypeError(f"{who}: initial_lr must be a number, or None for the optimizer's rate; "
-                            f"Received: initial_lr={initial_lr!r}.")
+        if initial_lr is not None:
+            try:  # a number, or anything float() takes (a 0-d array, a tensor, the optimizer's rate)
+                if isinstance(initial_lr, (bool, str, bytes)):
+                    raise TypeError
+                if not isinstance(initial_lr, numbers.Real):
+                    initial_lr = float(_backend.to_numpy(initial_lr) if hasattr(initial_lr, "assign") else initial_lr)
+            except (TypeError, ValueError):
+                raise TypeError(f"{who}: initial_lr must be a number, or None for the optimizer's rate; "
+                                f"Received: initial_lr={initial_lr!r}.") from None
         self.initial_lr = initial_lr
         if callable(multiplier):
             self.multiplier = multiplier
@@ -232,8 +241,9 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         _sync_jax_state(self.model)
         new_lr = self.initial_lr * self.multiplier(epoch)
         self.model.optimizer.learning_rate = new_lr
-        if self.verbose and hvddp.rank() == 0:
-            _log.info("epoch %.3f: learning rate set to %g", epoch, new_lr)
+        if self.verbose and hvddp.rank() == 0 and epoch == int(epoch):  # (once per epoch: at its start)
+            # at WARNING, as the warm-up's message: hvddp's logger shows INFO only with HVDDP_LOG_LEVEL
+            _log.warning("epoch %d: learning rate set to %g", int(epoch) + 1, new_lr)
 
     def on_train_begin(self, logs=None):
         if self.initial_lr is None:
