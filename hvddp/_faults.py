@@ -535,12 +535,16 @@ def remove_singleton_segments(library: str, maps: str = "/proc/self/maps") -> Li
     Open MPI (5.0.x) never removes the 16 MiB ``sm_segment.*`` of a singleton (``python
     train.py``, no mpirun), so every such run left one behind in memory-backed ``/dev/shm``.
     The segment stays usable while mapped; unlinking it only frees it when the process ends.
-    Under a launcher, or with another MPI, this does nothing.
+    Under a launcher, or with another MPI, this does nothing; a launcher's environment that
+    promised more ranks than the one this process got (another Open MPI's mpirun: init() refused
+    the mismatch) still left a singleton, whose segment is removed.
 
     Returns:
         The paths removed.
     """
-    if "open mpi" not in library.lower() or any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK")):
+    size = os.environ.get("OMPI_COMM_WORLD_SIZE")
+    launched = size == "1" or (size is None and "PMIX_RANK" in os.environ)  # (registered at size 1 only)
+    if "open mpi" not in library.lower() or launched:
         return []
     try:
         with open(maps) as f:

@@ -129,7 +129,7 @@ def _writer_alive(suffix: str) -> bool:
 def file_path(path: Any, fn: str) -> str:
     """``path`` as a str, or a TypeError naming ``fn``'s argument."""
     try:
-        return os.fspath(path)
+        return os.fsdecode(os.fspath(path))  # (bytes as str: the temporary name is built from it)
     except TypeError:
         raise TypeError(f"{fn}: path must be a file path (str, bytes or os.PathLike); Received: "
                         f"path={path!r} ({type(path).__name__}).") from None

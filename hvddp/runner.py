@@ -79,6 +79,16 @@ _HOROVODRUN_ONLY = {
     "--num-nccl-streams": "hvddp uses one NCCL stream per device",
     "--thread-affinity": "bind the ranks with the launcher (--mpi-args) or taskset",
     "--elastic-timeout": _ELASTIC,
+    "--log-with-timestamp": _NO_TIMESTAMP, "--no-log-hide-timestamp": _NO_TIMESTAMP,
+    "-prefix-timestamp": "the launcher's own option, e.g. --mpi-args=\"--timestamp-output\" (Open MPI)",
+}
+# horovodrun options that ask for what hvddp does anyway: accepted, and ignored
+_DEFAULT_ONLY = {
+    "--stall-check": "the stall check is on by default",
+    "--no-timeline-mark-cycles": "cycles are not marked by default",
+    "--no-mpi-threads-disable": "hvddp always uses MPI's thread support",
+    "--no-autotune": "hvddp has no autotuner", "--no-hierarchical-allreduce": "hvddp has no hierarchical mode",
+    "--no-hierarchical-allgather": "hvddp has no hierarchical mode", "--no-torus-allreduce": "hvddp has no torus mode",
     "--log-without-timestamp": _NO_TIMESTAMP, "--log-hide-timestamp": _NO_TIMESTAMP,
 }
 
@@ -97,6 +107,9 @@ class _Parser(argparse.ArgumentParser):
 _FORWARD = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "OMP_NUM_THREADS")
 _FORWARD_PREFIXES = ("HVDDP_", "HOROVOD_", "NCCL_", "CUDA_", "CUPY_", "KERAS_", "TF_", "JAX_", "XLA_",
                      "PYTORCH_", "TORCH_", "MKL_", "OPENBLAS_", "MALLOC_", "PYTHON")
+# ... but not Terraform's, which shares TensorFlow's prefix (and holds tokens)
+_NOT_FORWARDED = ("TF_TOKEN_", "TF_CLI_", "TF_VAR_", "TF_LOG", "TF_PLUGIN_", "TF_WORKSPACE", "TF_DATA_DIR",
+                  "TF_INPUT", "TF_IN_AUTOMATION", "TF_REGISTRY_")
 
 
 class Launch(NamedTuple):
@@ -226,7 +239,11 @@ def parse_hostfile(path: str) -> List[Tuple[str, int]]:
     except OSError as exc:
         raise ValueError(f"--hostfile {path!r} cannot be read: {exc.strerror or exc}") from None
     with f:
-        for number, line in enumerate(f, 1):
+        try:
+            lines = list(f)
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"--hostfile {path!r} is not a text file ({exc.reason} at byte {exc.start}).") from None
+        for number, line in enumerate(lines, 1):
             line = line.split("#", 1)[0].strip()
             if not line:
                 continue
@@ -363,6 +380,7 @@ def build_command(launch: Launch, np_: int, command: Sequence[str], env: Dict[st
             cmd += ["-H", host_list]
         mpi_args = list(mpi_args)
         given = _options_given(mpi_args)  # prterun refuses an option listed twice: theirs win
+        _check_map_by(mpi_args)
         oversubscribe = not host_list and np_ > cpu_count and "oversubscribe" not in given
         if "map-by" in given:
             if oversubscribe:  # --oversubscribe is a --map-by modifier in Open MPI 5
@@ -373,7 +391,8 @@ def build_command(launch: Launch, np_: int, command: Sequence[str], env: Dict[st
         if "bind-to" not in given:
             cmd += ["--bind-to", "none"]
         for name in sorted(os.environ):
-            if (name in _FORWARD or name.startswith(_FORWARD_PREFIXES)) and name not in env:
+            if (name in _FORWARD or name.startswith(_FORWARD_PREFIXES) and not name.startswith(_NOT_FORWARDED)) \
+                    and name not in env:
                 cmd += ["-x", name]
         for name, value in env.items():
             cmd += ["-x", f"{name}={value}"]
@@ -391,14 +410,22 @@ def _options_given(args: Sequence[str]) -> set:
     return {a.lstrip("-").split("=")[0] for a in args if a.startswith("-")}
 
 
+def _check_map_by(args: Sequence[str]) -> None:
+    """Refuse a ``--map-by`` without a value in ``args`` (Open MPI would take the next word, the
+    command's first, as the policy)."""
+    for i, arg in enumerate(args):
+        if arg.lstrip("-").split("=")[0] == "map-by" and "=" not in arg and (
+                i + 1 >= len(args) or args[i + 1].startswith("-")):
+            raise ValueError(f"--mpi-args: {arg} needs a value (e.g. {arg} slot), got "
+                             f"{'nothing' if i + 1 >= len(args) else repr(args[i + 1])} after it.")
+
+
 def _add_map_by_modifier(args: List[str], modifier: str) -> None:
-    """Append ``:modifier`` to the value of the ``--map-by`` option in ``args``, in place."""
+    """Append ``:modifier`` to the value of the ``--map-by`` option in ``args`` (checked by
+    ``_check_map_by``), in place."""
     for i, arg in enumerate(args):
         if arg.lstrip("-").split("=")[0] != "map-by":
             continue
-        if "=" not in arg and (i + 1 >= len(args) or args[i + 1].startswith("-")):
-            raise ValueError(f"--mpi-args: {arg} needs a value (e.g. {arg} slot), got "
-                             f"{'nothing' if i + 1 >= len(args) else repr(args[i + 1])} after it.")
         j, value = (i, arg.split("=", 1)[1]) if "=" in arg else (i + 1, args[i + 1])
         if modifier.lower() in value.lower():
             return
@@ -509,7 +536,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="HVDDP_STALL_CHECK_TIME_SECONDS: warn about collectives missing on some ranks")
     p.add_argument("--stall-check-shutdown-time-seconds", type=float, metavar="S",
                    help="HVDDP_STALL_SHUTDOWN_TIME_SECONDS: raise StallError on every rank after this")
-    p.add_argument("--no-stall-check", action="store_true", help="HVDDP_STALL_CHECK_DISABLE=1")
+    stall = p.add_mutually_exclusive_group()
+    stall.add_argument("--no-stall-check", action="store_true", help="HVDDP_STALL_CHECK_DISABLE=1")
+    stall.add_argument("--stall-check", action="store_true",
+                       help=f"accepted and ignored: {_DEFAULT_ONLY['--stall-check']}")
     p.add_argument("--log-level", metavar="LEVEL", help="HVDDP_LOG_LEVEL: TRACE, DEBUG, INFO, WARNING, ERROR, FATAL")
     p.add_argument("--mpi-args", default="", metavar="ARGS",
                    help='extra launcher arguments, e.g. --mpi-args="-prepend-rank"')
@@ -525,11 +555,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout", type=float, metavar="S", help="accepted and ignored (as horovodrun's)")
     p.add_argument("--disable-cache", action="store_true", help="accepted and ignored (as horovodrun's)")
     p.add_argument("--mpi", action="store_true", help="accepted and ignored: MPI is hvddprun's only controller")
-    p.add_argument("--stall-check", action="store_true", help="accepted and ignored: the stall check is on by default")
-    p.add_argument("--no-timeline-mark-cycles", action="store_true",
-                   help="accepted and ignored: cycles are not marked by default")
-    p.add_argument("--no-mpi-threads-disable", action="store_true",
-                   help="accepted and ignored: hvddp always uses MPI's thread support")
+    for flag, why in _DEFAULT_ONLY.items():
+        if flag != "--stall-check":
+            p.add_argument(flag, action="store_true", help=f"accepted and ignored: {why}")
     p.add_argument("command", nargs="*", help="the command every rank runs (its arguments are its own)")
     return p
 

@@ -170,6 +170,10 @@ if hvddp.size() == 2:
            ["failed on rank 1", "Missing key", "replicas now differ"], torch_checkpoint.load_checkpoint, good, more)
 assert hvddp.allreduce(np.ones(1), name="after.disagreeing.checkpoints", op=hvddp.Sum)[0] == hvddp.size()
 
+# A bytes path works, as os.PathLike paths do (the temporary name mixed str and bytes)
+checkpoint.save({"b": 1}, os.fsencode(os.path.join(directory, "bytes.pkl")))
+assert checkpoint.load(os.fsencode(os.path.join(directory, "bytes.pkl"))) == {"b": 1}
+
 # A path that is a symbolic link: the file it names is replaced, the link stays (os.replace put
 # a plain file in the link's place).
 if rank == 0:

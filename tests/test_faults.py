@@ -359,7 +359,16 @@ def test_an_open_mpi_singletons_segment_is_unlinked_at_shutdown(tmp_path, monkey
         monkeypatch.setenv("PMIX_RANK", "0")  # under mpirun: prterun cleans up
         assert _faults.remove_singleton_segments("Open MPI v5.0.11", str(maps)) == []
         assert os.path.exists(segment)
+        monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "1")
+        assert _faults.remove_singleton_segments("Open MPI v5.0.11", str(maps)) == []
+        # a launcher that promised 2 ranks, but this process is a singleton (the mismatch init()
+        # refuses): its segment leaked
+        monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+        assert _faults.remove_singleton_segments("Open MPI v5.0.11", str(maps)) == [segment]
+        assert not os.path.exists(segment)
+        open(segment, "w").close()
         monkeypatch.delenv("PMIX_RANK")
+        monkeypatch.delenv("OMPI_COMM_WORLD_SIZE")
         assert _faults.remove_singleton_segments("Open MPI v5.0.11", str(maps)) == [segment]
         assert not os.path.exists(segment)
     finally:

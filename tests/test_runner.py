@@ -95,6 +95,7 @@ def test_hosts_and_hostfile(tmp_path, hosts):
     (["-np", "2", "--cache-capacity", "-1"], ["--cache-capacity", "HVDDP_CACHE_CAPACITY"]),
     (["-np", "2", "--hostfile", "/nonexistent/hosts"], ["--hostfile '/nonexistent/hosts' cannot be read"]),
     (["-np", "2", "--num-nccl-streams", "2"], ["--num-nccl-streams", "one NCCL stream"]),
+    (["-np", "2", "--stall-check", "--no-stall-check"], ["not allowed with"]),
 ])
 def test_bad_arguments_fail_before_launch_naming_the_option(args, words, tmp_path):
     result, elapsed = hvddprun(args + ([] if args[-1].endswith(".py") or args == ["-np", "2"] else ["python", PRINT]),
@@ -131,7 +132,7 @@ def test_horovodrun_spellings(tmp_path):
     hostfile.write_text("localhost slots=2\n")
     result, _ = hvddprun(["-np", "2", "-hostfile", str(hostfile), "--start-timeout", "30", "--disable-cache",
                           "--mpi", "--stall-check", "--no-timeline-mark-cycles", "--no-mpi-threads-disable",
-                          "--dry-run", "python", "train.py"])
+                          "--no-autotune", "--log-hide-timestamp", "--dry-run", "python", "train.py"])
     assert result.returncode == 0 and "localhost:2" in result.stdout, result.stdout
     # the command's own arguments are its own, also where they abbreviate two of hvddprun's
     # options (-host: -h or -hostfile; --ver: --version or --verbose), which stopped the run
@@ -191,8 +192,11 @@ def test_open_mpi_flags_root_oversubscribe_and_env():
     forwarded = {cmd[i + 1] for i, a in enumerate(cmd) if a == "-x"}
     assert {"HVDDP_STALL_CHECK_TIME_SECONDS", "NCCL_DEBUG", "KERAS_BACKEND", "PATH"} <= forwarded, cmd
     assert "UNRELATED_SECRET" not in forwarded
-    with pytest.raises(ValueError, match="--map-by needs a value"):  # (an IndexError escaped)
-        runner.build_command(launch, 4, ["t"], {}, is_root=False, cpu_count=2, mpi_args=["--map-by"])
+    for np_ in (4, 2):  # (an IndexError escaped when oversubscribing; else the command became the policy)
+        with pytest.raises(ValueError, match="--map-by needs a value"):
+            runner.build_command(launch, np_, ["t"], {}, is_root=False, cpu_count=2, mpi_args=["--map-by"])
+    with pytest.raises(ValueError, match="--map-by needs a value.*'--bind-to'"):
+        runner.build_command(launch, 2, ["t"], {}, is_root=False, cpu_count=2, mpi_args=["--map-by", "--bind-to", "core"])
 
 
 @pytest.mark.parametrize("user, expected", [
@@ -260,6 +264,9 @@ def test_hostfile_formats(tmp_path):
         f.write_text(text)
         with pytest.raises(ValueError, match=f"line 1: .*{words}"):
             runner.parse_hostfile(str(f))
+    f.write_bytes(b"\xff\xfe binary")  # (a bare UnicodeDecodeError named neither the file nor the option)
+    with pytest.raises(ValueError, match="--hostfile .* is not a text file"):
+        runner.parse_hostfile(str(f))
     assert runner.parse_hosts("a:2, b") == [("a", 2), ("b", 1)]
     with pytest.raises(ValueError, match="entry ':2' has no host name"):
         runner.parse_hosts(":2")

@@ -101,8 +101,10 @@ def _dense(tensor: Any, fn: str) -> tf.Tensor:
         raise TypeError(f"{fn}: tensor is a {type(tensor).__name__}, which hvddp does not reduce or gather; "
                         f"pass a dense tensor (.to_tensor(), or tf.sparse.to_dense()) or its values.")
     tensor = tf.convert_to_tensor(tensor)
-    if not (tensor.dtype.is_floating or tensor.dtype.is_integer or tensor.dtype.is_bool):
-        # (strings and complex numbers: the core saw them as numpy's object or complex dtypes)
+    if tf.executing_eagerly() and not (tensor.dtype.is_floating or tensor.dtype.is_integer or tensor.dtype.is_bool):
+        # (strings and complex numbers: the core saw them as numpy's object or complex dtypes.
+        # Eagerly only, where the refusal is announced: in a traced function it would raise on
+        # this rank alone while the others wait, so there the core refuses it when the step runs)
         raise TypeError(f"{fn}: tensor has dtype {tensor.dtype.name}, which hvddp does not support; "
                         f"supported: {', '.join(SUPPORTED_DTYPES)} (and uint16, uint32, uint64 for the "
                         f"collectives that move data without arithmetic). Cast it first, e.g. "
