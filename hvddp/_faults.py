@@ -225,15 +225,20 @@ def signal_at_parent_death(signum: int = signal.SIGKILL) -> None:  # in a child,
 _die_with_parent = signal_at_parent_death  # the rank: SIGKILL
 
 
+# Launchers' processes that start the ranks and signal each one's whole process group: MPICH's
+# hydra proxy, Open MPI 5's PRRTE (prterun on the launching node, prted on the others)
+_GROUP_SIGNALLERS = ("hydra_pmi_proxy", "prterun", "prted", "prte")
+
+
 def _signals_reach_the_group() -> bool:
-    """True when this process leads its process group and its parent is MPICH's hydra proxy,
-    which signals each process it started as a group."""
+    """True when this process leads its process group and its parent is a launcher's process
+    that signals each process it started as a group (``_GROUP_SIGNALLERS``)."""
     try:
         with open(f"/proc/{os.getppid()}/comm") as f:
             parent = f.read().strip()
     except OSError:
         return False
-    return os.getpgrp() == os.getpid() and parent == "hydra_pmi_proxy"
+    return os.getpgrp() == os.getpid() and parent in _GROUP_SIGNALLERS
 
 
 def _in_my_group(pid: int) -> bool:
@@ -305,22 +310,26 @@ def rank_monitor(command: Sequence[str]) -> int:
 
     stopped = []  # signals the launcher sent: the rank did not fail by itself
     # The rank stays in this monitor's process group, so that a launcher's kill of the group
-    # also ends what the rank started (a DataLoader's workers). Hydra's proxy makes each monitor
-    # a group leader and signals the whole group: the rank has the signal already (a forwarded
+    # also ends what the rank started (a DataLoader's workers). Hydra's proxy (and Open MPI's
+    # PRRTE) makes each monitor a group leader and signals the whole group: the rank has the
+    # signal already (a forwarded
     # copy ran its SIGTERM handler twice), so what the proxy sends is not passed on, nor what a
     # process of the group sends the group (the rank's own killpg). What anyone else sends is
     # (to the monitor alone, from `ps`; a kill of the whole group from outside cannot be told
     # apart and reaches the rank twice, as can one from a process of the group that is gone
     # by the time it is looked up), and a rank that then dies of it failed by it. Other
-    # launchers may signal the monitor alone: everything is passed on there.
+    # launchers may signal the monitor alone: everything but the group's own is passed on there.
     proxy = os.getppid() if _signals_reach_the_group() else None
+    leader = os.getpgrp() == os.getpid()  # (then the group is this monitor's, the rank's and theirs)
     code = None
     while code is None:
         info = signal.sigtimedwait(signals | {signal.SIGCHLD}, 1.0)  # 1 s: a missed SIGCHLD
         if info is not None and info.si_signo != signal.SIGCHLD:
-            if proxy is None or info.si_pid == proxy:
+            from_proxy = proxy is not None and info.si_pid == proxy
+            from_group = leader and not from_proxy and _in_my_group(info.si_pid)
+            if from_proxy or (proxy is None and not from_group):
                 stopped.append(info.si_signo)
-            if proxy is None or not (info.si_pid == proxy or _in_my_group(info.si_pid)):
+            if not (from_proxy or from_group):
                 try:
                     child.send_signal(info.si_signo)
                 except OSError:
