@@ -34,8 +34,7 @@ import numpy as np
 from .exceptions import HvddpError, MismatchError
 from .runtime import ProcessSet, global_process_set, rank as _global_rank
 
-__all__ = ["CheckpointError", "atomic_write", "save_bytes", "load_bytes", "save", "load", "agree",
-           "all_succeeded"]
+__all__ = ["CheckpointError", "atomic_write", "save_bytes", "load_bytes", "save", "load"]
 
 Data = Union[bytes, bytearray, memoryview, Callable[[BinaryIO], None]]
 
