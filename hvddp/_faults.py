@@ -326,7 +326,8 @@ def rank_monitor(command: Sequence[str]) -> int:
         info = signal.sigtimedwait(signals | {signal.SIGCHLD}, 1.0)  # 1 s: a missed SIGCHLD
         if info is not None and info.si_signo != signal.SIGCHLD:
             from_proxy = proxy is not None and info.si_pid == proxy
-            from_group = leader and not from_proxy and _in_my_group(info.si_pid)
+            # (si_pid 0: a sender outside this PID namespace, such as a container's host)
+            from_group = leader and not from_proxy and info.si_pid > 0 and _in_my_group(info.si_pid)
             if from_proxy or (proxy is None and not from_group):
                 stopped.append(info.si_signo)
             if not (from_proxy or from_group):

@@ -105,11 +105,10 @@ class _Parser(argparse.ArgumentParser):
 # every variable with one of the prefixes (hvddp's and Horovod's settings, which init() compares
 # across ranks, and the frameworks' and libraries' own); others through --mpi-args="-x NAME".
 _FORWARD = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "OMP_NUM_THREADS")
-_FORWARD_PREFIXES = ("HVDDP_", "HOROVOD_", "NCCL_", "CUDA_", "CUPY_", "KERAS_", "TF_", "JAX_", "XLA_",
-                     "PYTORCH_", "TORCH_", "MKL_", "OPENBLAS_", "MALLOC_", "PYTHON")
-# ... but not Terraform's, which shares TensorFlow's prefix (and holds tokens)
-_NOT_FORWARDED = ("TF_TOKEN_", "TF_CLI_", "TF_VAR_", "TF_LOG", "TF_PLUGIN_", "TF_WORKSPACE", "TF_DATA_DIR",
-                  "TF_INPUT", "TF_IN_AUTOMATION", "TF_REGISTRY_")
+# (TensorFlow's own by their prefixes only: Terraform's variables, tokens among them, start with TF_ too)
+_FORWARD_PREFIXES = ("HVDDP_", "HOROVOD_", "NCCL_", "CUDA_", "CUPY_", "KERAS_", "JAX_", "XLA_", "PYTORCH_",
+                     "TORCH_", "MKL_", "OPENBLAS_", "MALLOC_", "PYTHON", "TF_CPP_", "TF_ENABLE_", "TF_FORCE_",
+                     "TF_GPU_", "TF_XLA_", "TF_DETERMINISTIC_", "TF_NUM_", "TF_USE_", "TF_CUDNN_", "TF_ONEDNN_")
 
 
 class Launch(NamedTuple):
@@ -391,8 +390,7 @@ def build_command(launch: Launch, np_: int, command: Sequence[str], env: Dict[st
         if "bind-to" not in given:
             cmd += ["--bind-to", "none"]
         for name in sorted(os.environ):
-            if (name in _FORWARD or name.startswith(_FORWARD_PREFIXES) and not name.startswith(_NOT_FORWARDED)) \
-                    and name not in env:
+            if (name in _FORWARD or name.startswith(_FORWARD_PREFIXES)) and name not in env:
                 cmd += ["-x", name]
         for name, value in env.items():
             cmd += ["-x", f"{name}={value}"]
@@ -531,7 +529,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-capacity", type=int, metavar="N",
                    help="HVDDP_CACHE_CAPACITY (0 turns the response cache off)")
     p.add_argument("--timeline-filename", metavar="FILE", help="HVDDP_TIMELINE: Chrome-trace file written by rank 0")
-    p.add_argument("--timeline-mark-cycles", action="store_true", help="HVDDP_TIMELINE_MARK_CYCLES=1")
+    marks = p.add_mutually_exclusive_group()
+    marks.add_argument("--timeline-mark-cycles", action="store_true", help="HVDDP_TIMELINE_MARK_CYCLES=1")
+    marks.add_argument("--no-timeline-mark-cycles", action="store_true",
+                       help=f"accepted and ignored: {_DEFAULT_ONLY['--no-timeline-mark-cycles']}")
     p.add_argument("--stall-check-warning-time-seconds", type=float, metavar="S",
                    help="HVDDP_STALL_CHECK_TIME_SECONDS: warn about collectives missing on some ranks")
     p.add_argument("--stall-check-shutdown-time-seconds", type=float, metavar="S",
@@ -556,7 +557,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-cache", action="store_true", help="accepted and ignored (as horovodrun's)")
     p.add_argument("--mpi", action="store_true", help="accepted and ignored: MPI is hvddprun's only controller")
     for flag, why in _DEFAULT_ONLY.items():
-        if flag != "--stall-check":
+        if flag not in ("--stall-check", "--no-timeline-mark-cycles"):  # (in their groups)
             p.add_argument(flag, action="store_true", help=f"accepted and ignored: {why}")
     p.add_argument("command", nargs="*", help="the command every rank runs (its arguments are its own)")
     return p

@@ -1318,6 +1318,9 @@ def test_callbacks_on_a_set_leave_ranks_outside_it_alone():
     # so does initial_lr (a 0-d array, the optimizer's rate as a variable), as Horovod's does
     for rate in (np.array(0.25), keras.Variable(0.25)):
         assert hvd.callbacks.LearningRateWarmupCallback(rate).initial_lr == pytest.approx(0.25)
+    for text in (np.array("0.1"), np.bool_(True)):  # (float() parsed them)
+        with pytest.raises(TypeError, match="initial_lr must be a number"):
+            hvd.callbacks.LearningRateScheduleCallback(text, 1.0)
     if SIZE > 1:  # a root outside the set is refused on every rank (it was on the members only,
         # and the others went on into fit's reductions and waited)
         members = hvd.add_process_set([0])
@@ -1328,6 +1331,17 @@ def test_callbacks_on_a_set_leave_ranks_outside_it_alone():
                 outside.on_train_begin()
         finally:
             hvd.remove_process_set(members)
+        # by default the root is the set's first member (0 was refused for a set without rank 0)
+        last = hvd.add_process_set([SIZE - 1])
+        try:
+            model = make_model(seed=RANK, unused=False)
+            model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.0), process_set=last),
+                          loss="sparse_categorical_crossentropy")
+            x, y = global_data()
+            model.fit(shard(x), shard(y), batch_size=GLOBAL_BATCH // SIZE, verbose=0,
+                      callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(process_set=last)])
+        finally:
+            hvd.remove_process_set(last)
 
 
 def test_float8_scales_of_a_local_layer_stay_this_ranks():

@@ -96,6 +96,7 @@ def test_hosts_and_hostfile(tmp_path, hosts):
     (["-np", "2", "--hostfile", "/nonexistent/hosts"], ["--hostfile '/nonexistent/hosts' cannot be read"]),
     (["-np", "2", "--num-nccl-streams", "2"], ["--num-nccl-streams", "one NCCL stream"]),
     (["-np", "2", "--stall-check", "--no-stall-check"], ["not allowed with"]),
+    (["-np", "2", "--timeline-mark-cycles", "--no-timeline-mark-cycles"], ["not allowed with"]),
 ])
 def test_bad_arguments_fail_before_launch_naming_the_option(args, words, tmp_path):
     result, elapsed = hvddprun(args + ([] if args[-1].endswith(".py") or args == ["-np", "2"] else ["python", PRINT]),
@@ -186,12 +187,12 @@ def test_open_mpi_flags_root_oversubscribe_and_env():
     # the user's settings reach ranks on other nodes (Open MPI forwards nothing by itself; only
     # PATH-like variables went, so exported HVDDP_*/NCCL_* settings differed between nodes)
     exported = {"HVDDP_STALL_CHECK_TIME_SECONDS": "9", "NCCL_DEBUG": "INFO", "KERAS_BACKEND": "jax",
-                "UNRELATED_SECRET": "x"}
+                "TF_CPP_MIN_LOG_LEVEL": "3", "UNRELATED_SECRET": "x", "TF_HTTP_PASSWORD": "terraform's"}
     with unittest.mock.patch.dict(os.environ, exported):
         cmd = runner.build_command(launch, 2, ["t"], {}, hosts=[("a", 1), ("b", 1)], is_root=False, cpu_count=2)
     forwarded = {cmd[i + 1] for i, a in enumerate(cmd) if a == "-x"}
-    assert {"HVDDP_STALL_CHECK_TIME_SECONDS", "NCCL_DEBUG", "KERAS_BACKEND", "PATH"} <= forwarded, cmd
-    assert "UNRELATED_SECRET" not in forwarded
+    assert {"HVDDP_STALL_CHECK_TIME_SECONDS", "NCCL_DEBUG", "KERAS_BACKEND", "TF_CPP_MIN_LOG_LEVEL", "PATH"} <= forwarded
+    assert not {"UNRELATED_SECRET", "TF_HTTP_PASSWORD"} & forwarded, cmd
     for np_ in (4, 2):  # (an IndexError escaped when oversubscribing; else the command became the policy)
         with pytest.raises(ValueError, match="--map-by needs a value"):
             runner.build_command(launch, np_, ["t"], {}, is_root=False, cpu_count=2, mpi_args=["--map-by"])

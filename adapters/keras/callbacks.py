@@ -41,7 +41,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     ``optimizer.average_accumulators``).
 
     Args:
-        root_rank: the rank whose values win.
+        root_rank: the rank whose values win, a global rank in ``process_set``; by default (None)
+            the set's first member: rank 0 for the global set.
         device: accepted for Horovod compatibility; ignored.
         local_variables: a variable or a list of them that keep each rank's own values (not
             broadcast; see also ``register_local_var``). The optimizer's variables are all
@@ -50,7 +51,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             where earlier hvddp versions had it).
     """
 
-    def __init__(self, root_rank: int = 0, device: str = "", local_variables: Any = None,
+    def __init__(self, root_rank: Optional[int] = None, device: str = "", local_variables: Any = None,
                  process_set: ProcessSet = global_process_set):
         super().__init__()
         if isinstance(local_variables, ProcessSet):  # hvddp's earlier positional order
@@ -107,7 +108,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         optimizer = getattr(self.model, "optimizer", None)
         variables = shared_variables(self.model, optimizer, self._local)
         average_accumulators(optimizer, self.process_set, "keras.bcast_cb.accumulators")  # (between passes)
-        broadcast_variables(variables, self.root_rank, process_set=self.process_set, prefix="keras.bcast_cb")
+        root = root_of(self.root_rank, type(self).__name__, self.process_set)
+        broadcast_variables(variables, root, process_set=self.process_set, prefix="keras.bcast_cb")
         self.broadcast_done = True
 
 
@@ -204,12 +206,14 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         super().__init__()
         who = type(self).__name__
         if initial_lr is not None:
-            try:  # a number, or anything float() takes (a 0-d array, a tensor, the optimizer's rate)
-                if isinstance(initial_lr, (bool, str, bytes)):
-                    raise TypeError
-                if not isinstance(initial_lr, numbers.Real):
-                    initial_lr = float(_backend.to_numpy(initial_lr) if hasattr(initial_lr, "assign") else initial_lr)
-            except (TypeError, ValueError):
+            try:  # a real number: a scalar, 0-d array or tensor, or the optimizer's rate variable
+                value = _backend.to_numpy(initial_lr) if hasattr(initial_lr, "assign") else initial_lr
+                value = np.asarray(value.numpy() if hasattr(value, "numpy") and not isinstance(value, np.generic)
+                                   else value)
+                if isinstance(initial_lr, bool) or value.shape != () or value.dtype.kind not in "iuf":
+                    raise TypeError  # (strings, bools, complex numbers, several values)
+                initial_lr = float(value)
+            except (TypeError, ValueError, AttributeError):
                 raise TypeError(f"{who}: initial_lr must be a number, or None for the optimizer's rate; "
                                 f"Received: initial_lr={initial_lr!r}.") from None
         self.initial_lr = initial_lr
