@@ -312,9 +312,8 @@ def rank_monitor(command: Sequence[str]) -> int:
     # The rank stays in this monitor's process group, so that a launcher's kill of the group
     # also ends what the rank started (a DataLoader's workers). Hydra's proxy (and Open MPI's
     # PRRTE) makes each monitor a group leader and signals the whole group: the rank has the
-    # signal already (a forwarded
-    # copy ran its SIGTERM handler twice), so what the proxy sends is not passed on, nor what a
-    # process of the group sends the group (the rank's own killpg). What anyone else sends is
+    # signal already (a forwarded copy ran its SIGTERM handler twice), so what the proxy sends
+    # is not passed on, nor what a process of the group sends the group (the rank's own killpg). What anyone else sends is
     # (to the monitor alone, from `ps`; a kill of the whole group from outside cannot be told
     # apart and reaches the rank twice, as can one from a process of the group that is gone
     # by the time it is looked up), and a rank that then dies of it failed by it. Other

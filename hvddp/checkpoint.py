@@ -245,9 +245,14 @@ def save_bytes(data: Optional[Data], path: Union[str, os.PathLike], root_rank: O
 
 
 def _write(fn: str, data: Optional[Data], path: Any, root_rank: Any, process_set: ProcessSet) -> None:
+    path, root_rank = _checked(fn, path, root_rank, process_set)
+    write_agreed(fn, data, path, root_rank, process_set)
+
+
+def write_agreed(fn: str, data: Optional[Data], path: str, root_rank: int, process_set: ProcessSet) -> None:
+    """``save_bytes`` for a call whose arguments every rank has already agreed on (``agree``)."""
     from .ops import broadcast_object
 
-    path, root_rank = _checked(fn, path, root_rank, process_set)
     error = None
     if _global_rank() == root_rank:
         try:
@@ -280,9 +285,14 @@ def load_bytes(path: Union[str, os.PathLike], root_rank: Optional[int] = None,
 
 
 def _read(fn: str, path: Any, root_rank: Any, process_set: ProcessSet) -> Optional[bytes]:
+    path, root_rank = _checked(fn, path, root_rank, process_set)
+    return read_agreed(path, root_rank, process_set)
+
+
+def read_agreed(path: str, root_rank: int, process_set: ProcessSet) -> Optional[bytes]:
+    """``load_bytes`` for a call whose arguments every rank has already agreed on (``agree``)."""
     from .ops import broadcast, broadcast_object
 
-    path, root_rank = _checked(fn, path, root_rank, process_set)
     payload = None
     header: Any = None
     if _global_rank() == root_rank:
@@ -333,10 +343,13 @@ def load(path: Union[str, os.PathLike], default: Any = None, root_rank: Optional
         CheckpointError: on every rank, when the file cannot be read or unpickled.
     """
     data = _read("load", path, root_rank, process_set)
-    if data is None:
-        return default
+    return default if data is None else unpickled(file_path(path, "load"), data)
+
+
+def unpickled(path: str, data: bytes) -> Any:
+    """The object pickled in ``data``, read from ``path``; the same bytes on every rank fail alike."""
     try:
         return pickle.loads(data)
-    except Exception as exc:  # the same bytes everywhere: every rank fails alike
-        raise CheckpointError(f"checkpoint {os.fspath(path)!r} is not a valid hvddp checkpoint "
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {path!r} is not a valid hvddp checkpoint "
                               f"({type(exc).__name__}: {exc}).") from exc

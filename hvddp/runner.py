@@ -529,18 +529,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-capacity", type=int, metavar="N",
                    help="HVDDP_CACHE_CAPACITY (0 turns the response cache off)")
     p.add_argument("--timeline-filename", metavar="FILE", help="HVDDP_TIMELINE: Chrome-trace file written by rank 0")
-    marks = p.add_mutually_exclusive_group()
+    marks = p.add_mutually_exclusive_group()  # (with --no-timeline-mark-cycles, below)
     marks.add_argument("--timeline-mark-cycles", action="store_true", help="HVDDP_TIMELINE_MARK_CYCLES=1")
-    marks.add_argument("--no-timeline-mark-cycles", action="store_true",
-                       help=f"accepted and ignored: {_DEFAULT_ONLY['--no-timeline-mark-cycles']}")
     p.add_argument("--stall-check-warning-time-seconds", type=float, metavar="S",
                    help="HVDDP_STALL_CHECK_TIME_SECONDS: warn about collectives missing on some ranks")
     p.add_argument("--stall-check-shutdown-time-seconds", type=float, metavar="S",
                    help="HVDDP_STALL_SHUTDOWN_TIME_SECONDS: raise StallError on every rank after this")
-    stall = p.add_mutually_exclusive_group()
+    stall = p.add_mutually_exclusive_group()  # (with --stall-check, below)
     stall.add_argument("--no-stall-check", action="store_true", help="HVDDP_STALL_CHECK_DISABLE=1")
-    stall.add_argument("--stall-check", action="store_true",
-                       help=f"accepted and ignored: {_DEFAULT_ONLY['--stall-check']}")
     p.add_argument("--log-level", metavar="LEVEL", help="HVDDP_LOG_LEVEL: TRACE, DEBUG, INFO, WARNING, ERROR, FATAL")
     p.add_argument("--mpi-args", default="", metavar="ARGS",
                    help='extra launcher arguments, e.g. --mpi-args="-prepend-rank"')
@@ -556,9 +552,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout", type=float, metavar="S", help="accepted and ignored (as horovodrun's)")
     p.add_argument("--disable-cache", action="store_true", help="accepted and ignored (as horovodrun's)")
     p.add_argument("--mpi", action="store_true", help="accepted and ignored: MPI is hvddprun's only controller")
+    excludes = {"--stall-check": stall, "--no-timeline-mark-cycles": marks}  # (their negations)
     for flag, why in _DEFAULT_ONLY.items():
-        if flag not in ("--stall-check", "--no-timeline-mark-cycles"):  # (in their groups)
-            p.add_argument(flag, action="store_true", help=f"accepted and ignored: {why}")
+        excludes.get(flag, p).add_argument(flag, action="store_true", help=f"accepted and ignored: {why}")
     p.add_argument("command", nargs="*", help="the command every rank runs (its arguments are its own)")
     return p
 

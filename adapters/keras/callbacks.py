@@ -207,13 +207,11 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         who = type(self).__name__
         if initial_lr is not None:
             try:  # a real number: a scalar, 0-d array or tensor, or the optimizer's rate variable
-                value = _backend.to_numpy(initial_lr) if hasattr(initial_lr, "assign") else initial_lr
-                value = np.asarray(value.numpy() if hasattr(value, "numpy") and not isinstance(value, np.generic)
-                                   else value)
+                value = _backend.to_numpy(initial_lr)
                 if isinstance(initial_lr, bool) or value.shape != () or value.dtype.kind not in "iuf":
                     raise TypeError  # (strings, bools, complex numbers, several values)
                 initial_lr = float(value)
-            except (TypeError, ValueError, AttributeError):
+            except Exception:  # (what each backend raises for a value it cannot convert differs)
                 raise TypeError(f"{who}: initial_lr must be a number, or None for the optimizer's rate; "
                                 f"Received: initial_lr={initial_lr!r}.") from None
         self.initial_lr = initial_lr

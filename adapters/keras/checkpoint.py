@@ -236,7 +236,9 @@ def save_checkpoint(path: Union[str, os.PathLike], model: keras.Model, optimizer
                  "optimizer_kind": _kind(optimizer), "extra": extra, "rng": per_rank}
         pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
 
-    _core.save_bytes(data if hvddp.rank() == root_rank else None, path, root_rank, process_set)
+    # (the arguments are agreed above: written without a second check)
+    _core.write_agreed("save_checkpoint", data if hvddp.rank() == root_rank else None,
+                       _core.file_path(path, "save_checkpoint"), root_rank, process_set)
 
 
 def load_checkpoint(path: Union[str, os.PathLike], model: keras.Model, optimizer: Any = None, *,
@@ -265,10 +267,11 @@ def load_checkpoint(path: Union[str, os.PathLike], model: keras.Model, optimizer
                 **_given(model, optimizer)}
 
     root_rank = _core.agree("load_checkpoint", describe, process_set)[0]["root_rank"]
-    path = os.fspath(path)
-    state = _core.load(path, None, root_rank, process_set)
-    if state is None:
+    path = _core.file_path(path, "load_checkpoint")
+    data = _core.read_agreed(path, root_rank, process_set)
+    if data is None:
         return None
+    state = _core.unpickled(path, data)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise _core.CheckpointError(f"checkpoint {path!r} was not written by "
                                     f"hvddp.keras.checkpoint.save_checkpoint.")

@@ -132,7 +132,9 @@ def save_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Modu
         }
         torch.save(state, f)
 
-    _core.save_bytes(data if hvddp.rank() == root_rank else None, path, root_rank, process_set)
+    # (the arguments are agreed above: written without a second check)
+    _core.write_agreed("save_checkpoint", data if hvddp.rank() == root_rank else None,
+                       _core.file_path(path, "save_checkpoint"), root_rank, process_set)
 
 
 def load_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Module] = None,
@@ -176,8 +178,8 @@ def load_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Modu
                 **_given(model, optimizer, scheduler)}
 
     root_rank = _core.agree("load_checkpoint", describe, process_set)[0]["root_rank"]
-    path = os.fspath(path)
-    data = _core.load_bytes(path, root_rank, process_set)
+    path = _core.file_path(path, "load_checkpoint")
+    data = _core.read_agreed(path, root_rank, process_set)
     if data is None:
         return None
     given = [(what, obj) for what, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler))
@@ -208,7 +210,7 @@ def load_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Modu
         elif process_set.rank() == 0:
             log.warning("checkpoint %r was saved by %d ranks, this job has %d: RNG states not "
                         "restored, so random draws will differ from the saving job's.",
-                        os.fspath(path), len(state["rng"]), process_set.size())
+                        path, len(state["rng"]), process_set.size())
     return {"epoch": state["epoch"], "step": state["step"], "extra": state["extra"]}
 
 
@@ -244,7 +246,7 @@ def _check_fits(path: str, state: Dict[str, Any], given: list, model: Any, optim
         _check_optimizer_fits(path, optimizer, state["optimizer"])
 
 
-def _check_model_fits(path: Any, model: torch.nn.Module, saved: Any) -> None:
+def _check_model_fits(path: str, model: torch.nn.Module, saved: Any) -> None:
     """Refuse a saved model state whose tensors have other shapes than the model's, before any
     is copied: torch's ``load_state_dict`` finds it only after copying the entries before it.
     Lazy (not yet materialized) entries take any shape, as torch lets them."""
@@ -259,12 +261,12 @@ def _check_model_fits(path: Any, model: torch.nn.Module, saved: Any) -> None:
         if value.shape != here.shape:
             wrong.append(f"{key}: saved {tuple(value.shape)}, model {tuple(here.shape)}")
     if wrong:
-        raise _core.CheckpointError(f"checkpoint {os.fspath(path)!r}: its model state does not fit the model "
+        raise _core.CheckpointError(f"checkpoint {path!r}: its model state does not fit the model "
                                     f"given (shapes differ: {'; '.join(wrong[:5])}"
                                     f"{f'; and {len(wrong) - 5} more' if len(wrong) > 5 else ''}); nothing was loaded.")
 
 
-def _check_optimizer_fits(path: Any, optimizer: torch.optim.Optimizer, saved: Any) -> None:
+def _check_optimizer_fits(path: str, optimizer: torch.optim.Optimizer, saved: Any) -> None:
     """Refuse a saved optimizer state of other parameter groups before the model is loaded (torch
     checks it too, but only once the model has been)."""
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
@@ -273,6 +275,6 @@ def _check_optimizer_fits(path: Any, optimizer: torch.optim.Optimizer, saved: An
     mine = [len(g["params"]) for g in optimizer.param_groups]
     theirs = [len(g.get("params", ())) if isinstance(g, dict) else None for g in groups]
     if mine != theirs:
-        raise _core.CheckpointError(f"checkpoint {os.fspath(path)!r}: its optimizer state does not fit the "
+        raise _core.CheckpointError(f"checkpoint {path!r}: its optimizer state does not fit the "
                                     f"optimizer given (parameters per group: saved {theirs}, optimizer {mine}); "
                                     f"nothing was loaded.")
