@@ -33,9 +33,11 @@ def test_core_collectives_with_cross_memory_off():
 
 def test_cross_memory_falls_back_together_and_fails_on_every_rank():
     out = run(2, [os.path.join(ROOT, "tests", "mpi_core_cma.py")], timeout=60).stdout
-    assert out.count("fallback ok") == 2 and out.count("recovered ok") == 2, out
+    assert out.count("fallback ok") == 2 and out.count(": recovered ok") == 2, out
     assert "failed on this rank: [Errno 14] simulated" in out, out
     assert "failed on rank 1 of the process set" in out, out
+    assert out.count("staged failure raised") == 2 and out.count("staged recovered ok") == 2, out
+    assert "failed on this rank: [Errno 14] simulated: bad address in a later chunk" in out, out
 
 
 def _python(code, env=None, timeout=60):

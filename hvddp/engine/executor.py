@@ -171,11 +171,19 @@ class Executor:
         for key, groups in batches.items():
             if key[5] == "cpu" and key[1] != ReduceOp.ADASUM:
                 cma = self._cross_memory(key[0], sum(g[0] for g in groups))
-                if cma is not None:
-                    group = [item for _, batch in groups for item in batch]
-                    if all(item[0].dtype == key[4] for item in group):  # no half types to widen
-                        self._allreduce_many(cma, group)
-                        continue
+                if cma is not None and all(item[0].dtype == key[4]  # no half types to widen
+                                           for _, batch in groups for item in batch):
+                    # on their own memory, but small fused tensors through the staging buffers
+                    direct, staged = [], []
+                    for _, batch in groups:
+                        for item in batch:
+                            small = len(batch) > 1 and _meta(item[0])[2] < cma.packed_below_bytes
+                            (staged if small else direct).append(item)
+                    if direct:
+                        self._allreduce_many(cma, direct)
+                    if staged:
+                        self._allreduce_many(cma, staged, packed=True)
+                    continue
             for _, batch in groups:
                 if batch[0][0].device == "cpu":
                     self._allreduce_batch(batch)
@@ -350,11 +358,12 @@ class Executor:
             tl.end([item[0].key() for item in batch])
         _complete(batch)
 
-    def _allreduce_many(self, cma, group: list) -> None:
-        """Reduce a fusion key's whole group on its own memory through cross-memory attach.
+    def _allreduce_many(self, cma, group: list, packed: bool = False) -> None:
+        """Reduce tensors of one fusion key through cross-memory attach.
 
-        No fusion buffer: the peers read each array's slices where they are, and Average's
-        1/size (and any postscale) is applied by each slice's owner while the slice is in cache.
+        With ``packed`` False tensors are reduced on their own memory: the peers read each
+        array's slices where they are. Small fused ones go through the path's staging buffers. Either way Average's 1/size (and any postscale) is applied by each slice's
+        owner while the slice is in cache.
         """
         request0 = group[0][0]
         ps = self.process_sets[request0.ps_id]
@@ -374,7 +383,7 @@ class Executor:
                 dsts.append(dst)
             if names:
                 self.timeline.activities(names, "CMA_ALLREDUCE")
-            cma.allreduce_many(srcs, dsts, request0.op, post)
+            (cma.allreduce_packed if packed else cma.allreduce_many)(srcs, dsts, request0.op, post)
         except Exception as exc:
             _fatal_if_local(exc)
             _fail(group, exc)
