@@ -107,12 +107,13 @@ class CrossMemory:
         # one region per peer, so that each piece is reduced over every peer before the next
         self._region_bytes = max(SCRATCH_BYTES // max(self.size - 1, 1) // 64 * 64, 64 << 10)
         self._scratch = np.empty(self._region_bytes * max(self.size - 1, 1), dtype=np.uint8)
-        self._local_iov = (_IoVec * _IOV_MAX)()
-        self._remote_iov = (_IoVec * _IOV_MAX)()
+        # iovec arrays that numpy fills: [base, length] rows
+        self._local_table = np.zeros((_IOV_MAX, 2), dtype=np.uint64)
+        self._remote_table = np.zeros((_IOV_MAX, 2), dtype=np.uint64)
+        self._local_iov = (_IoVec * _IOV_MAX).from_buffer(self._local_table)
+        self._remote_iov = (_IoVec * _IOV_MAX).from_buffer(self._remote_table)
         self._error: Optional[str] = None
         self._stages: Optional[list] = None  # [mapping, two buffers, their addresses, each rank's]
-        self._table = np.zeros((_IOV_MAX, 2), dtype=np.uint64)  # iovecs that numpy fills
-        self._table_iov = (_IoVec * _IOV_MAX).from_buffer(self._table)
 
     @classmethod
     def probe(cls, comm: MPI.Comm) -> Optional["CrossMemory"]:
@@ -433,19 +434,18 @@ class CrossMemory:
         """Between this rank's pieces (addresses ``at``, byte ``lengths``) and its own staging
         memory from ``staged`` on: ``process_vm_writev`` packs, ``process_vm_readv`` unpacks; the
         kernel walks the pieces, a thousand per call, where numpy would take a call per piece."""
-        table, local, remote = self._table, self._table_iov, self._remote_iov
+        table, remote = self._local_table, self._remote_iov
         for s in range(0, at.size, _IOV_MAX):
             n = min(_IOV_MAX, at.size - s)
             table[:n, 0] = at[s:s + n]
             table[:n, 1] = lengths[s:s + n]
             nbytes = int(lengths[s:s + n].sum())
             remote[0].base, remote[0].len = staged, nbytes
-            self._call(fn, self.rank, n, 1, nbytes, local)
+            self._call(fn, self.rank, n, 1, nbytes)
             staged += nbytes
 
-    def _call(self, fn, peer: int, n_local: int, n_remote: int, expected: int, local=None) -> None:
-        done = fn(self._pids[peer], self._local_iov if local is None else local, n_local,
-                  self._remote_iov, n_remote, 0)
+    def _call(self, fn, peer: int, n_local: int, n_remote: int, expected: int) -> None:
+        done = fn(self._pids[peer], self._local_iov, n_local, self._remote_iov, n_remote, 0)
         if done != expected:
             err = ctypes.get_errno()
             what = "process_vm_readv from" if fn is self._readv_fn else "process_vm_writev to"
