@@ -310,3 +310,15 @@ def test_init_variants_and_dynamic_timeline(tmp_path):
     out = run(3, [os.path.join(ROOT, "tests", "mpi_core_init.py"), str(tmp_path)], timeout=90,
               env={"HVDDP_TIMELINE": "DYNAMIC"}).stdout
     assert out.count("init variants ok") == 3, out
+
+
+def test_allreduce_benchmark_runs_and_checks_its_results():
+    """benchmarks/allreduce.py (its figures are in the README) keeps working: one round of each
+    workload, and its own check that hvddp's sums equal raw MPI's."""
+    out = run(2, [os.path.join(ROOT, "benchmarks", "allreduce.py"), "--rounds", "1", "--warmup", "0"],
+              timeout=120).stdout
+    for label in ("200 x 100 KiB", "800 x 25 KiB", "ResNet-50 mix"):
+        assert f"{label}: " in out and "checked against raw MPI" in out, out
+    rows = re.findall(r"^(?:\[0\])?\s+(raw per-array|raw hand-fused|contiguous|hvddp in place|hvddp|raw out of place)"
+                      r"\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+x$", out, flags=re.M)
+    assert len(rows) == 18, out
