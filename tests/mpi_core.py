@@ -800,6 +800,24 @@ def test_many_small_allreduces_exact_across_staging_chunks():
         assert _cross_memory_in_use()._stages is not None, "the group should have been staged"
 
 
+def test_the_timeline_names_the_way_a_fusion_buffer_was_reduced(tmp_path):
+    """float16 is widened into a fusion buffer; past the single-copy threshold that buffer is
+    reduced through cross-memory attach, and the timeline says so (it said MPI_ALLREDUCE)."""
+    import json
+
+    path = hvddp.broadcast_object(str(tmp_path / "t.json") if R == 0 else None, root_rank=0)
+    hvddp.start_timeline(path)
+    out = hvddp.allreduce(np.ones(1 << 20, dtype=np.float16), op=hvddp.Sum, name="tl.half")
+    assert (out == N).all()
+    hvddp.stop_timeline()
+    hvddp.barrier()
+    if R == 0:
+        names = {e["name"] for e in json.loads(open(path).read())}
+        way = "CMA_ALLREDUCE" if _cross_memory_in_use() is not None else "MPI_ALLREDUCE"
+        assert {"MEMCPY_IN_FUSION_BUFFER", way, "MEMCPY_OUT_FUSION_BUFFER"} <= names, names
+        assert ({"CMA_ALLREDUCE", "MPI_ALLREDUCE"} - {way}).isdisjoint(names), names
+
+
 def test_cross_memory_follows_its_setting():
     """Single process: never. Otherwise on, unless HVDDP_CMA=0 (this machine allows it)."""
     import os

@@ -231,6 +231,8 @@ def test_stall_warning_then_error_on_every_rank():
     assert "rank 0 StallError: " in out and "rank 1 StallError: " in out, out
     fatal = next(line for line in out.splitlines() if "rank 1 StallError: " in line)
     assert "allreduce 'warm' (waiting" in fatal and "'step.7'" in fatal, fatal  # the cached name too
+    assert "allreduce 'step.7' on process set 1 (waiting" in fatal, fatal
+    assert "allreduce 'step.7' (waiting" in fatal, fatal  # and the global set's, unqualified
 
 
 def test_timeline_is_valid_chrome_trace(tmp_path):

@@ -146,7 +146,8 @@ class Coordinator:
             missing = [r for r in members if r not in waiting.requests and r not in self.joined]
             kind = next(iter(waiting.requests.values())).kind.value
             refused = sorted(r for r, q in waiting.requests.items() if q.refused is not None)
-            parts.append(f"{kind} {name!r} (waiting {now - waiting.first_seen:.1f} s): "
+            where = f" on process set {ps_id}" if ps_id else ""  # (one name may wait on two sets)
+            parts.append(f"{kind} {name!r}{where} (waiting {now - waiting.first_seen:.1f} s): "
                          f"submitted by ranks {sorted(waiting.requests)}"
                          + (f" (refused there by ranks {refused}: they raised at once)" if refused else "")
                          + f", missing on ranks {missing}")

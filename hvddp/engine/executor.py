@@ -329,19 +329,18 @@ class Executor:
                         view.fill(joined_value(request.op, view.dtype))
                     else:
                         _scaled_copy(view, entry.input.reshape(-1), pre)
+                cma = None if adasum else self._cross_memory(request0.ps_id, buf.nbytes)
                 if tl:
-                    tl.activities([item[0].key() for item in batch],
-                                  "MPI_ADASUM_ALLREDUCE" if adasum else "MPI_ALLREDUCE")
+                    tl.activities([item[0].key() for item in batch], "MPI_ADASUM_ALLREDUCE" if adasum
+                                  else "CMA_ALLREDUCE" if cma is not None else "MPI_ALLREDUCE")
                 if adasum:
                     from ..backends import adasum as adasum_backend
 
                     adasum_backend.combine(ps.comm, buf, sizes, chunk)
+                elif cma is not None:
+                    cma.allreduce(buf, buf, request0.op)
                 else:
-                    cma = self._cross_memory(request0.ps_id, buf.nbytes)
-                    if cma is not None:
-                        cma.allreduce(buf, buf, request0.op)
-                    else:
-                        self.mpi.allreduce_inplace(ps.comm, buf, request0.op, chunk)
+                    self.mpi.allreduce_inplace(ps.comm, buf, request0.op, chunk)
                 if tl:
                     tl.activities([item[0].key() for item in batch], "MEMCPY_OUT_FUSION_BUFFER")
                 for (request, entry, _), view in zip(batch, views):

@@ -580,4 +580,6 @@ class Engine:
             self._parked.clear()
             self._join_behind = None
         for entry in entries:
-            entry.fail(type(error)(f"{entry.request.kind.value} {entry.request.name!r}: {error}"))
+            request = entry.request
+            where = f" on process set {request.ps_id}" if request.ps_id else ""
+            entry.fail(type(error)(f"{request.kind.value} {request.name!r}{where}: {error}"))
