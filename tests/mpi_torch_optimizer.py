@@ -783,6 +783,42 @@ def test_broadcast_optimizer_state_with_different_groups_raises_on_every_rank():
         hvd.broadcast_optimizer_state(opt, root_rank=0)
 
 
+def test_broadcast_optimizer_state_of_another_optimizer_class_raises_on_every_rank():
+    """An Adam's settings loaded into an SGD left it without "momentum": only that rank raised,
+    at its next step, while the root went on."""
+    if N == 1:
+        pytest.skip("needs two ranks")
+    lin = torch.nn.Linear(2, 2)
+    opt = torch.optim.Adam(lin.parameters()) if R == 0 else torch.optim.SGD(lin.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"but rank 1's have \[\['dampening'.*another optimizer class"):
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+
+
+def test_broadcast_optimizer_state_sends_sparse_state_whole():
+    """SGD's momentum of a sparse embedding is a sparse tensor: it was refused (dense only)."""
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    torch.manual_seed(R)
+    emb.weight.data.normal_()
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1, momentum=0.9)
+    emb(torch.tensor([1, 2 + R])).sum().backward()
+    opt.step()
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    buf = opt.state[emb.weight]["momentum_buffer"]
+    assert buf.is_sparse
+    everyone = hvd.allgather_object(buf.to_dense())
+    assert all(torch.equal(b, everyone[0]) for b in everyone)
+    assert torch.equal(everyone[0][2], torch.ones(3)) and torch.equal(everyone[0][1], torch.ones(3))
+
+
+def test_broadcast_parameters_refuses_a_name_twice_on_every_rank():
+    """Two models' named_parameters() in one list: the second 'weight' met the first's pending
+    broadcast (a ValueError about renaming a call the user does not name), half broadcast."""
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"the names \['bias', 'weight'\] appear more than once"):
+        hvd.broadcast_parameters(list(a.named_parameters()) + list(b.named_parameters()), root_rank=0)
+    hvd.broadcast_parameters(a.state_dict(), root_rank=0)  # and the next call meets
+
+
 # Adasum ----------------------------------------------------------------------------------------
 POWER_OF_TWO = N & (N - 1) == 0
 

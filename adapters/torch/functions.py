@@ -97,6 +97,12 @@ def broadcast_parameters(params: Union[Dict[str, torch.Tensor], Iterable], root_
 
     _check_like_the_root(mine, root_rank, process_set, "broadcast_parameters", tensors,
                          _refusal(named, "broadcast_parameters"))
+    counts = collections.Counter(name for name, _ in named)
+    repeated = sorted(name for name, n in counts.items() if n > 1)
+    if repeated:  # (the same list on every rank, as just checked: every rank raises here)
+        raise ValueError(f"broadcast_parameters: the names {repeated[:5]} appear more than once (two "
+                         f"models' named_parameters() in one list?); names must be unique: broadcast "
+                         f"each model in its own call, or prefix the names.")
     handles = []
     for name, tensor in named:
         handles.append(broadcast_async_(tensor.data, root_rank, f"broadcast_parameters.{name}",
@@ -138,19 +144,24 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
     skeleton = None
     if is_root:
         skeleton = {"param_groups": local["param_groups"],
-                    "state": {k: {n: _TensorSpec(v, params.get(k)) if isinstance(v, torch.Tensor) else v
-                                  for n, v in s.items()} for k, s in local["state"].items()}}
+                    "state": {k: {n: _described(v, params.get(k)) for n, v in s.items()}
+                              for k, s in local["state"].items()}}
     skeleton = hvddp.broadcast_object(skeleton, root_rank, "broadcast_optimizer_state.skeleton",
                                       process_set)
     # compared on every rank at once: a rank that raised alone would leave the root's
     # broadcasts below waiting for it (and one whose parameters have other shapes would get state
     # of the root's shapes, and fail alone at its next step)
+    # and the settings each group has (an Adam's groups loaded into an SGD left it without
+    # "momentum", and only that rank failed, at its next step)
     shapes = [[tuple(p.shape) for p in g["params"]] for g in optimizer.param_groups]
+    settings = [sorted(k for k in g if k != "params") for g in optimizer.param_groups]
 
-    def groups(root: list, rank: int, theirs: list) -> str:
-        sizes = [len(g) for g in root], [len(g) for g in theirs]
+    def groups(root: tuple, rank: int, theirs: tuple) -> str:
+        sizes = [len(g) for g in root[0]], [len(g) for g in theirs[0]]
         what = (f"param groups of sizes {sizes[0]}, but rank {rank} has {sizes[1]}" if sizes[0] != sizes[1]
-                else f"parameters of shapes {root}, but rank {rank} has {theirs}")
+                else f"parameters of shapes {root[0]}, but rank {rank} has {theirs[0]}" if root[0] != theirs[0]
+                else f"param groups with the settings {root[1]}, but rank {rank}'s have {theirs[1]} "
+                     f"(another optimizer class?)")
         return f"the root rank {root_rank} has {what}; every rank must build the same optimizer over the same model"
 
     state: Dict[Any, Dict[str, Any]] = {}
@@ -163,10 +174,12 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
                           else value.empty(params.get(key)))
                 moved.append((f"{key}.{field}", tensor))
                 value = tensor
+            elif isinstance(value, torch.Tensor) and key in params:  # a sparse one, sent whole
+                value = value.to(params[key].device)
             entry[field] = value
         state[key] = entry
-    _check_like_the_root(shapes, root_rank, process_set, "broadcast_optimizer_state", groups,
-                         _refusal(moved, "broadcast_optimizer_state"))
+    _check_like_the_root((shapes, settings), root_rank, process_set, "broadcast_optimizer_state",
+                         groups, _refusal(moved, "broadcast_optimizer_state"))
     handles = [broadcast_async_(tensor, root_rank, f"broadcast_optimizer_state.{name}", process_set)
                for name, tensor in moved]
     for handle in handles:
@@ -176,6 +189,15 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
     # mu_product on a float64 model), and a root that kept its own dtypes drifted from the rest.
     load_in_place(optimizer, {"state": state, "param_groups": skeleton["param_groups"]},
                   optimizer.load_state_dict)
+
+
+def _described(value: Any, param: Optional[torch.Tensor]) -> Any:
+    """A state value as the root announces it: a dense tensor by its ``_TensorSpec`` (it then
+    moves by broadcast), a sparse one whole, from the CPU (SGD's momentum of a sparse
+    embedding), anything else as it is."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return _TensorSpec(value, param) if value.layout is torch.strided else value.detach().cpu()
 
 
 def _refusal(named: List[Tuple[str, torch.Tensor]], fn: str) -> Optional[str]:

@@ -11,6 +11,7 @@ Grouped requests are released together.
 from __future__ import annotations
 
 import logging
+import re
 from collections import OrderedDict
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
@@ -19,6 +20,8 @@ from ..exceptions import KIND_MISMATCH, REFUSED
 from .messages import JOIN_TOLERANT, Kind, Request, Response, ReduceOp
 
 log = logging.getLogger("hvddp")
+# the names hvddp.torch's DistributedOptimizer gives its gradients
+_GRADIENT_NAME = re.compile(r"grad\d*\.")
 
 JOIN_KEY = (0, "__join__")
 
@@ -173,8 +176,9 @@ class Coordinator:
             ready.append(key)
             first = next(iter(submitted.values()))
             if first.kind not in JOIN_TOLERANT and joined.intersection(members):
+                sparse = first.kind is Kind.ALLGATHER and _GRADIENT_NAME.match(key[1])
                 hint = (" (hvddp.torch's DistributedOptimizer allgathers sparse gradients: with join(), "
-                        "pass sparse_as_dense=True)" if first.kind is Kind.ALLGATHER else "")
+                        "pass sparse_as_dense=True)" if sparse else "")
                 errors[key] = (f"{first.kind.value} {key[1]!r} cannot run while rank(s) "
                                f"{sorted(joined.intersection(members))} have called join(); only "
                                f"allreduce and barrier accept joined ranks. Call it before join(){hint}.")

@@ -562,7 +562,7 @@ class Engine:
         who = self.comm.allgather(self._shutdown_requested)
         ranks = [r for r, flag in enumerate(who) if flag]
         self._stop_with(ShutdownError(
-            f"hvddp was shut down (shutdown() called on rank(s) {ranks}); the collectives pending "
+            f"hvddp was shut down on rank(s) {ranks} (shutdown(), or the process's exit); the collectives pending "
             f"then never complete. Call shutdown() only after every rank has finished its "
             f"collectives."))
 
