@@ -609,6 +609,26 @@ def test_sync_batch_normalization_is_batch_norm_on_the_whole_batch(mode):
         hvd.SyncBatchNormalization(fused=True)
 
 
+def test_sync_batch_normalization_outside_its_process_set_normalizes_locally():
+    """A rank outside the layer's set raised (an allreduce on a set it is not in); hvddp.torch's
+    SyncBatchNorm normalizes such a rank's own batch, and so does this one now."""
+    if SIZE < 3:
+        pytest.skip("needs three ranks (a set of two that leaves one out)")
+    import keras
+
+    pair = hvd.add_process_set([0, 1])
+    x = tf.constant(np.arange(12, dtype="float32").reshape(6, 2) * (RANK + 1))
+    out = hvd.SyncBatchNormalization(process_set=pair)(x, training=True)
+    if RANK == 2:
+        want = keras.layers.BatchNormalization()(x, training=True)
+        np.testing.assert_allclose(out.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+    else:  # the pair's statistics: both ranks' rows
+        both = np.concatenate([np.arange(12, dtype="float32").reshape(6, 2) * (r + 1) for r in (0, 1)])
+        want = (x.numpy() - both.mean(0)) / np.sqrt(both.var(0) + 1e-3)
+        np.testing.assert_allclose(out.numpy(), want, rtol=1e-4, atol=1e-4)
+    hvd.remove_process_set(pair)
+
+
 def test_unnamed_ops_in_a_function_match_when_one_rank_traced_and_built_more():
     """Rank 0 alone traces one more function and builds one more layer first: the unnamed
     collectives in a loop body, a branch and a SyncBatchNormalization inside a tf.function must

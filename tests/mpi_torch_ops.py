@@ -443,6 +443,20 @@ def test_sync_batch_norm_names_do_not_depend_on_the_layers_a_rank_built():
     torch.testing.assert_close(out, torch.full((2, 4), centered / (variance + norm.eps) ** 0.5))
 
 
+def test_sync_batch_norm_input_of_the_wrong_width_on_one_rank_fails_every_rank():
+    """The rank with the bad input raised at once; the others waited in the layer's allreduce
+    (for good, if that rank caught the error and went on)."""
+    if N == 1:
+        pytest.skip("needs two ranks")
+    bn = hvd.SyncBatchNorm(4)
+    x = torch.randn(5, 3 if R == 0 else 4)
+    with pytest.raises(ValueError if R == 0 else RuntimeError,  # (a MismatchError on the others)
+                       match=r"SyncBatchNorm\(4\) got an input with 3 channels" if R == 0
+                       else r"'sync_batch_norm.4.sum' was refused on rank\(s\) \[0\]"):
+        bn(x)
+    assert bn(torch.randn(5, 4)).shape == (5, 4)  # and the next call meets
+
+
 @pytest.mark.parametrize("affine", [True, False])
 def test_sync_batch_norm_matches_batch_norm(affine):
     torch.manual_seed(0)

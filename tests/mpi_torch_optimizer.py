@@ -823,6 +823,20 @@ def test_broadcast_parameters_refuses_a_name_twice_on_every_rank():
 POWER_OF_TWO = N & (N - 1) == 0
 
 
+def test_ranks_that_chose_different_ops_fail_every_rank():
+    """op=Adasum on rank 0, Average on the others: the updates went under other names than the
+    gradients, and the Average ranks waited for ever on their per-step allreduce."""
+    if N == 1 or not POWER_OF_TWO:
+        pytest.skip("needs a power-of-two number of ranks above one")
+    torch.manual_seed(0)
+    m = torch.nn.Linear(3, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
+                                   op=hvd.Adasum if R == 0 else hvd.Average)
+    m(torch.randn(4, 3)).sum().backward()
+    with pytest.raises(hvd.HvddpError, match=r"op differs across ranks: rank 0 Adasum, rank 1 Average"):
+        opt.step()
+
+
 def adasum_tree(vectors):
     """Horovod's Adasum of per-rank tensors: the pairwise tree by rank, in float64."""
     level = [v.double().reshape(-1) for v in vectors]

@@ -48,8 +48,8 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
 
     def _moments(self, inputs, mask):
         ps = self._hvddp_process_set
-        if mask is not None or ps.size() == 1:
-            return super()._moments(inputs, mask)
+        if mask is not None or ps.size() == 1 or not ps.included():  # (a rank outside the set
+            return super()._moments(inputs, mask)  # normalizes its own batch, as hvddp.torch's)
         axes = list(self._reduction_axes)
         wide = tf.float32 if inputs.dtype in (tf.float16, tf.bfloat16) else inputs.dtype
         x = tf.cast(inputs, wide)

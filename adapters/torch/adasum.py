@@ -15,8 +15,10 @@ import contextlib
 import weakref
 from typing import Dict, Iterator
 
+import numpy as np
 import torch
 
+import hvddp
 from hvddp import Adasum, HvddpError, ProcessSet
 
 from ._wrapper import WrapperCommon, check_passes, remove_hooks, too_many_passes, weak_hook
@@ -43,8 +45,9 @@ class _DistributedAdasumOptimizer(WrapperCommon):
     def _hvddp_adasum_setup(self, names: Dict[torch.Tensor, str], compression: Compressor,
                             backward_passes_per_step: int, process_set: ProcessSet, index: int) -> None:
         self._hvddp_names = names
-        # a process's optimizers on one set count together (Average ones too): distinct names
-        self._hvddp_prefix = "adasum." if index == 0 else f"adasum{index}."
+        # a process's optimizers on one set count together (Average ones too): distinct names,
+        # and the ones an Average optimizer gives, so ranks that chose different ops meet and fail
+        self._hvddp_prefix = "grad." if index == 0 else f"grad{index}."
         self._hvddp_compression = compression
         self._hvddp_bpps = int(backward_passes_per_step)
         self._hvddp_process_set = process_set
@@ -146,6 +149,11 @@ class _DistributedAdasumOptimizer(WrapperCommon):
         for p in self._hvddp_params:
             if p not in self._hvddp_flights:  # no gradient yet, or fewer passes than set: sent now
                 self._hvddp_send_delta(p)
+        # the per-step allreduce of an op=Average optimizer, made here too (its values unused):
+        # ranks that chose different ops then all fail on the updates' names, none waits for it
+        mirror = hvddp.allreduce_async_(np.zeros(len(self._hvddp_params), dtype=np.uint8), None,
+                                        self._hvddp_prefix[:-1] + ":had", hvddp.Max,
+                                        process_set=self._hvddp_process_set)
         flights, self._hvddp_flights = self._hvddp_flights, {}
         errors = []
         for p, (handle, ctx) in flights.items():
@@ -158,6 +166,10 @@ class _DistributedAdasumOptimizer(WrapperCommon):
                 continue
             with torch.no_grad():
                 p.copy_(self._hvddp_saved[p].add_(delta))
+        try:
+            hvddp.synchronize(mirror)
+        except Exception as exc:
+            errors.append(exc)
         for p in self._hvddp_params:
             self._hvddp_delay[p] = self._hvddp_bpps
         self._hvddp_mark_stepped()

@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
+import hvddp
 from hvddp import ProcessSet, Sum, global_process_set
+from hvddp.ops import announce_refusal
 
 from .mpi_ops import allreduce
 
@@ -49,7 +51,15 @@ class SyncBatchNorm(_BatchNorm):
                              f"num_features={self.num_features}.")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        self._check_input_dim(input)
+        ps = self.process_set
+        syncs = self.training and ps.size() > 1 and ps.included()
+        try:
+            self._check_input_dim(input)
+        except ValueError as exc:
+            if syncs:  # the peers wait for this layer's first allreduce: fail it there too
+                announce_refusal(hvddp.allreduce, exc, name=f"sync_batch_norm.{self.num_features}.sum",
+                                 op=Sum, process_set=ps)
+            raise
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
@@ -59,8 +69,7 @@ class SyncBatchNorm(_BatchNorm):
         track = not self.training or self.track_running_stats
         running_mean = self.running_mean if track else None
         running_var = self.running_var if track else None
-        ps = self.process_set
-        if not self.training or ps.size() == 1 or not ps.included():  # (eval: no communication)
+        if not syncs:  # (eval: no communication)
             return F.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                 bn_training, factor, self.eps)
         return self._sync_forward(input, running_mean, running_var, factor)
@@ -75,7 +84,8 @@ class SyncBatchNorm(_BatchNorm):
         # Named by the channel count, not by the layer: a rank that built one more layer (a copy
         # for evaluation, say) would otherwise shift every later layer's name and never meet its
         # peers. Each call blocks, so layers of the same width can share a name (Horovod's names
-        # are fixed), and the response cache still holds one entry per width.
+        # are fixed), and the response cache still holds one entry per width. (Ranks whose layer
+        # widths differ wait on different names: the stall inspector names both.)
         name = f"sync_batch_norm.{channels}"
         totals = allreduce(torch.cat([x.sum(dims), count]), op=Sum, name=f"{name}.sum",
                            process_set=self.process_set)
