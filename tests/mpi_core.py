@@ -83,6 +83,19 @@ def test_small_integer_sums_wrap_around_as_numpy(dtype):
     np.testing.assert_array_equal(np.concatenate(grouped), want[:200])
 
 
+@pytest.mark.parametrize("elements", [5, 300_000])  # MPI's path, and one large enough for single copy
+def test_min_and_max_of_signed_zeros_are_the_same_bits_everywhere(elements):
+    """-0.0 ranks below +0.0 (IEEE 754-2019): numpy's minimum returns either zero of a tie, so
+    ranks combining in different orders ended with different bits (+0.0 on one, -0.0 on another)."""
+    for dtype in ("float32", "float64", "float16"):
+        x = np.full(elements, -0.0 if R % 2 else 0.0, dtype=dtype)
+        low = hvddp.allreduce(x, op=hvddp.Min, name=f"zeros.min.{dtype}.{elements}")
+        high = hvddp.allreduce(x, op=hvddp.Max, name=f"zeros.max.{dtype}.{elements}")
+        if N > 1:
+            assert np.signbit(low).all() and not np.signbit(high).any(), (dtype, low[:3], high[:3])
+        assert len(set(hvddp.allgather_object(low.tobytes() + high.tobytes()))) == 1
+
+
 def test_bool_allreduce_min_max_and_refused_sum():
     x = np.array([True, R == 0, False, True])
     assert hvddp.allreduce(x, op=hvddp.Min, name="bool.min").tolist() == [True, N == 1, False, True]
@@ -753,6 +766,24 @@ def test_large_and_grouped_allreduces_exact_on_every_path():
     assert out.dtype == np.float16 and (out == N * (N + 1) / 4).all()
 
 
+_staged_calls = [0]
+
+
+def _count_staged():
+    from hvddp.backends import cma
+
+    packed = cma.CrossMemory.allreduce_packed
+
+    def counted(self, *args, **kwargs):
+        _staged_calls[0] += 1
+        return packed(self, *args, **kwargs)
+
+    cma.CrossMemory.allreduce_packed = counted
+
+
+_count_staged()
+
+
 def test_many_small_allreduces_exact_across_staging_chunks():
     """A fusion group of small arrays (under 64 KiB) larger than the single-copy path's two
     staging buffers together (4 MiB each), so arrays straddle chunk boundaries: every op and a few dtypes, in
@@ -795,7 +826,14 @@ def test_many_small_allreduces_exact_across_staging_chunks():
     out = hvddp.grouped_allreduce(tiny, op=hvddp.Sum, name="staged.tiny")
     for i, a in enumerate(out):
         assert a.shape == (40 + i % 3,) and (a == N * (i % 7) + N * (N - 1) // 2).all(), i
+    # a half-precision member (widened in a fusion buffer) leaves the others on their paths
+    mixed = [np.full(6400, R + 1.0, dtype=np.float32) for _ in range(100)] + [
+        np.full(0, 1, dtype=np.float16), np.full(10, R + 1, dtype=BF16), np.full(300_000, R + 1, dtype=np.float16)]
+    staged_before = _staged_calls[0]
+    for a in hvddp.grouped_allreduce(mixed, op=hvddp.Average, name="staged.mixed"):
+        assert (a.astype(np.float64) == (N + 1) / 2).all(), a.dtype
     if _cross_memory_in_use() is not None:
+        assert _staged_calls[0] > staged_before, "one half-precision member took the others off staging"
         assert sum(counts) * 4 > 2 * cma.STAGE_BYTES  # (the point of the test: several chunks)
         assert _cross_memory_in_use()._stages is not None, "the group should have been staged"
 

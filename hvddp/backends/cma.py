@@ -38,6 +38,7 @@ from mpi4py import MPI
 
 from ..engine.executor import _scaled_copy, address, shares_memory
 from ..engine.messages import ReduceOp
+from .mpi import ieee_maximum, ieee_minimum
 
 SCRATCH_BYTES = 256 << 10  # fits in L2 next to the slice being reduced
 STAGE_BYTES = 4 << 20  # each of the two staging buffers of allreduce_packed
@@ -53,6 +54,12 @@ _UFUNCS = {
     ReduceOp.PRODUCT: np.multiply,
 }
 _BOOL_UFUNCS = {ReduceOp.MIN: np.logical_and, ReduceOp.MAX: np.logical_or}
+# -0.0 below +0.0, as on the MPI path: every slice's zeros get the same sign whichever rank owns it
+_FLOAT_UFUNCS = {**_UFUNCS, ReduceOp.MIN: ieee_minimum, ReduceOp.MAX: ieee_maximum}
+
+
+def _ufunc(dtype: np.dtype, op: int):
+    return (_BOOL_UFUNCS if dtype.kind == "b" else _FLOAT_UFUNCS if dtype.kind == "f" else _UFUNCS)[op]
 
 
 class _IoVec(ctypes.Structure):
@@ -222,7 +229,7 @@ class CrossMemory:
         piece at any time; the piece is then reduced in the scratch and written once.
         """
         dtype = dsts[0].dtype
-        ufunc = (_BOOL_UFUNCS if dtype.kind == "b" else _UFUNCS)[op]
+        ufunc = _ufunc(dtype, op)
         factor = dtype.type(scale) if scale != 1.0 and dtype.kind == "f" else None
         integer_scale = scale != 1.0 and dtype.kind != "f"  # (exact division for an Average)
         item = dtype.itemsize
@@ -399,7 +406,7 @@ class CrossMemory:
         """Reduce this rank's slice of the staged chunk ``which`` over every peer, a scratch at a
         time, and write each reduced piece into every peer's staging buffer."""
         rank, size, item = self.rank, self.size, dtype.itemsize
-        ufunc = (_BOOL_UFUNCS if dtype.kind == "b" else _UFUNCS)[op]
+        ufunc = _ufunc(dtype, op)
         factor = dtype.type(scale) if scale != 1.0 and dtype.kind == "f" else None
         integer_scale = scale != 1.0 and dtype.kind != "f"
         start, stop = count * rank // size, count * (rank + 1) // size

@@ -50,11 +50,31 @@ def _numpy_op(ufunc, types) -> MPI.Op:
     return MPI.Op.Create(reduce, commute=True)
 
 
+def _signed_zeros(ufunc, combine):
+    """``ufunc`` (numpy's minimum or maximum) where -0.0 ranks below +0.0 (IEEE 754-2019's
+    minimum and maximum): numpy returns either zero of a tie, so ranks combining in different
+    orders ended with different bits (+0.0 on one, -0.0 on another). ``combine`` merges a tie's
+    bit patterns: or keeps a sign bit (min), and drops it unless both have it (max)."""
+    def reduce(a, b, out=None):
+        ints = _SAME_SIZE_INT[a.dtype]
+        tie = a == b
+        bits = combine(a.view(ints), b.view(ints))
+        out = ufunc(a, b, out=out)
+        np.copyto(out.view(ints), bits, where=tie)
+        return out
+
+    return reduce
+
+
+_SAME_SIZE_INT = {np.dtype(np.float32): np.int32, np.dtype(np.float64): np.int64}
+ieee_minimum = _signed_zeros(np.minimum, np.bitwise_or)
+ieee_maximum = _signed_zeros(np.maximum, np.bitwise_and)
+
 # Float Min/Max with numpy's ``minimum``/``maximum``: NaN wins, as it does on the single-copy path
 # and in numpy and torch. MPI's own MIN/MAX compare with ``<``, so whether a NaN survived
 # depended on its rank and on the algorithm MPI chose for the size.
 _FLOATS = ((MPI.DOUBLE, np.float64), (MPI.FLOAT, np.float32))
-_FLOAT_OPS = {ReduceOp.MIN: _numpy_op(np.minimum, _FLOATS), ReduceOp.MAX: _numpy_op(np.maximum, _FLOATS)}
+_FLOAT_OPS = {ReduceOp.MIN: _numpy_op(ieee_minimum, _FLOATS), ReduceOp.MAX: _numpy_op(ieee_maximum, _FLOATS)}
 # Sums of 8- and 16-bit integers with numpy's ``add``, which wraps around on overflow as the
 # single-copy path, numpy and torch do. Open MPI 5's vectorized MPI_SUM saturates them instead
 # (255 + 1 = 255 in uint8, from 64 elements on), so an overflowing sum depended on the MPI

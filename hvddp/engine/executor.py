@@ -171,18 +171,24 @@ class Executor:
         for key, groups in batches.items():
             if key[5] == "cpu" and key[1] != ReduceOp.ADASUM:
                 cma = self._cross_memory(key[0], sum(g[0] for g in groups))
-                if cma is not None and all(item[0].dtype == key[4]  # no half types to widen
-                                           for _, batch in groups for item in batch):
-                    # on their own memory, but small fused tensors through the staging buffers
-                    direct, staged = [], []
+                if cma is not None:
+                    # on their own memory, small fused tensors through the staging buffers, and
+                    # half types widened in fusion buffers (which go through cross-memory too)
+                    direct, staged, widened = [], [], []
                     for _, batch in groups:
                         for item in batch:
-                            small = len(batch) > 1 and _meta(item[0])[2] < cma.packed_below_bytes
-                            (staged if small else direct).append(item)
+                            if item[0].dtype != key[4]:
+                                widened.append(item)
+                            elif len(batch) > 1 and _meta(item[0])[2] < cma.packed_below_bytes:
+                                staged.append(item)
+                            else:
+                                direct.append(item)
                     if direct:
                         self._allreduce_many(cma, direct)
                     if staged:
                         self._allreduce_many(cma, staged, packed=True)
+                    for batch in _batched(widened, threshold):
+                        self._allreduce_batch(batch)
                     continue
             for _, batch in groups:
                 if batch[0][0].device == "cpu":
@@ -403,6 +409,19 @@ def _meta(request: Request) -> tuple:
     wire = wire_dtype(request.dtype)
     key = (request.ps_id, request.op, request.prescale, request.postscale, wire, request.device)
     return numel, wire, numel * _ITEMSIZE[wire], key
+
+
+def _batched(items: list, threshold: int) -> list:
+    """``items`` in fusion batches of at most ``threshold`` wire bytes (a larger one alone)."""
+    batches, used = [], 0
+    for item in items:
+        nbytes = _meta(item[0])[2]
+        if not batches or used + nbytes > threshold:
+            batches.append([])
+            used = 0
+        batches[-1].append(item)
+        used += nbytes
+    return batches
 
 
 def _unalias(entries: list) -> None:
