@@ -417,6 +417,23 @@ class _RecordWeight(keras.callbacks.Callback):
         self.logged_lr.append(logs["learning_rate"])
 
 
+def test_warmup_ends_at_initial_lr_with_several_steps_per_execution():
+    """Keras calls on_train_batch_begin once per execution (batches 0, 2 with two steps each),
+    so the warm-up's last rate was batch 2's, and training went on below initial_lr."""
+    if BACKEND == "torch":
+        pytest.skip("Keras refuses steps_per_execution > 1 on the torch backend")
+    steps, initial_lr = 4, 0.4
+    model = _linear_model()
+    model.compile(optimizer=model.optimizer, loss=model.loss, steps_per_execution=2)
+    record = _RecordWeight()
+    x, y = np.ones((steps * 2, 1), "float32"), np.zeros((steps * 2, 1), "float32")
+    model.fit(x, y, batch_size=2, epochs=3, verbose=0, shuffle=False,
+              callbacks=[hvd.callbacks.LearningRateWarmupCallback(initial_lr, warmup_epochs=2), record])
+    assert record.logged_lr[2] == pytest.approx(initial_lr)
+    moved = record.values[-2] - record.values[-1]  # the last execution: two steps
+    np.testing.assert_allclose(moved / 2, initial_lr, rtol=1e-5)
+
+
 def test_warmup_callback_learning_rates():
     steps, epochs, warmup, initial_lr = 3, 3, 2, 0.3
     model = _linear_model()
@@ -930,6 +947,43 @@ def test_a_value_refused_on_one_rank_fails_on_every_rank():
     np.testing.assert_allclose(ops.convert_to_numpy(hvd.allreduce(mine)), np.full(SIZE, (SIZE - 1) / 2))
     np.testing.assert_allclose(ops.convert_to_numpy(hvd.reducescatter(mine)), [(SIZE - 1) / 2])
     np.testing.assert_allclose(ops.convert_to_numpy(hvd.allgather(mine[:1])), np.arange(SIZE))
+
+
+def test_a_bad_compression_on_one_rank_fails_on_every_rank():
+    """compression="fp16" (a string) on rank 0: on JAX and torch it failed there alone with an
+    AttributeError when used, and the others waited in the allreduce."""
+    values = [("numpy", lambda: np.ones(2, "float32")), ("tensor", lambda: ops.ones((2,)))]
+    for what, value in values:
+        if RANK == 0:
+            with pytest.raises(TypeError, match=r"allreduce: compression must be hvddp.Compression.none"):
+                hvd.allreduce(value(), compression="fp16", name=f"bad.compression.{what}")
+        else:
+            with pytest.raises(hvd.MismatchError if BACKEND != "tensorflow" or what == "numpy" else Exception,
+                               match=r"refused on rank\(s\) \[0\] \(TypeError: allreduce: compression"):
+                hvd.allreduce(value(), compression=hvd.Compression.none, name=f"bad.compression.{what}")
+    if BACKEND == "torch":  # a tensor autograd records goes through hvddp.torch: its compressions only
+        import torch
+
+        x = torch.ones(2, requires_grad=True)
+        if RANK == 0:
+            with pytest.raises(ValueError, match=r"a torch tensor autograd records takes"):
+                hvd.allreduce(x, compression=object(), name="bad.compression.grad")
+        else:
+            with pytest.raises(hvd.MismatchError, match=r"refused on rank\(s\) \[0\]"):
+                hvd.allreduce(x, name="bad.compression.grad")
+    np.testing.assert_allclose(hvd.allreduce(np.ones(2, "float32"), name="bad.compression.after"), 1.0)
+
+
+def test_a_ragged_allgather_inside_jax_jit_names_the_rule():
+    """First dimensions that differ by rank inside jax.jit (static shapes) ended in JAX's own
+    "Incorrect output shape" error, naming neither the call nor the rule."""
+    if BACKEND != "jax" or SIZE == 1:
+        pytest.skip("jax.jit, on two ranks or more")
+    import jax
+
+    with pytest.raises(Exception, match=r"allgather ragged: inside jax.jit every rank must pass the same first"):
+        jax.jit(lambda v: hvd.allgather(v, name="ragged"))(ops.ones((RANK + 1, 2)))
+    assert hvd.allgather(np.ones((RANK + 1, 2)), name="ragged.eager").shape == (SIZE * (SIZE + 1) // 2, 2)
 
 
 def test_rank_outside_the_process_set_sums_accumulated_passes():

@@ -311,6 +311,10 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     def on_epoch_end(self, epoch, logs=None):
         super().on_epoch_end(epoch, logs)
+        if epoch == self.end_epoch - 1 and self.warmup_epochs:
+            # initial_lr from here on: with steps_per_execution k, Keras calls on_train_batch_begin
+            # once per k steps, so the warm-up's last call set the rate of batch S - k, not S - 1
+            self._set_lr(self.end_epoch - 1 + (self.steps_per_epoch - 1) / self.steps_per_epoch)
         if epoch == self.end_epoch - 1 and self.warmup_verbose and hvddp.rank() == 0:
             _log.warning("epoch %d: finished gradual learning rate warm-up to %g", epoch + 1,
                          float(_backend.to_numpy(self.model.optimizer.learning_rate)))

@@ -53,13 +53,16 @@ def allreduce(value: Any, name: Optional[str] = None, average: Optional[bool] = 
 
         same = {Compression.none: hvd_torch.Compression.none, Compression.fp16: hvd_torch.Compression.fp16,
                 Compression.bf16: hvd_torch.Compression.bf16}
-        if compression not in same:
-            raise ValueError(f"allreduce: a torch tensor autograd records takes hvd.Compression.none, .fp16 or "
-                             f".bf16 (the gradient flows through those); Received: compression={compression!r}.")
+        with _announcing(hvddp.allreduce, name, process_set, value):  # (the others wait in it)
+            if not any(compression is c for c in same):
+                raise ValueError(f"allreduce: a torch tensor autograd records takes hvd.Compression.none, "
+                                 f".fp16 or .bf16 (the gradient flows through those); Received: "
+                                 f"compression={compression!r}.")
         return hvd_torch.allreduce(value, average=average, name=name, compression=same[compression], op=op,
                                    prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                                    process_set=process_set)
     with _announcing(hvddp.allreduce, name, process_set, value):
+        compression = _grouping.check_compression(compression, "allreduce")
         op = _grouping.check_op(op, average, "allreduce", adasum=True)
         if op is hvddp.Adasum and not _backend.is_numpy(value):  # (the core checks numpy values)
             _grouping.check_adasum_size(process_set, "allreduce")
@@ -96,14 +99,22 @@ def allgather(value: Any, name: Optional[str] = None, process_set: ProcessSet = 
 
         return tf_allgather(value, name=name, process_set=process_set)
 
-    def fn(x):
-        return [np.asarray(hvddp.allgather(x, name=name, process_set=process_set), dtype=x.dtype)]
-
     shape = tuple(value.shape)
     with _announcing(hvddp.allgather, name, process_set, value):
         if not shape:
             raise ValueError("allgather: value is 0-d; pass at least a 1-d tensor.")
     out_shape = (shape[0] * process_set.size(),) + shape[1:]
+    traced = backend == "jax" and _backend.jax_tracing([value])  # (then the shape is static)
+
+    def fn(x):
+        out = np.asarray(hvddp.allgather(x, name=name, process_set=process_set), dtype=x.dtype)
+        if traced and out.shape[0] != out_shape[0]:  # the same result, so every rank raises
+            raise ValueError(f"allgather {name or ''}: inside jax.jit every rank must pass the same first "
+                             f"dimension (shapes are static there); this rank's is {shape[0]}, and the "
+                             f"ranks' together are {out.shape[0]} rows, not {out_shape[0]}. Gather outside "
+                             f"jax.jit, or pad to a common size.")
+        return [out]
+
     return _backend.call(fn, [value], [out_shape])[0]
 
 
