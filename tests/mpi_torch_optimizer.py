@@ -790,8 +790,15 @@ def test_broadcast_optimizer_state_of_another_optimizer_class_raises_on_every_ra
         pytest.skip("needs two ranks")
     lin = torch.nn.Linear(2, 2)
     opt = torch.optim.Adam(lin.parameters()) if R == 0 else torch.optim.SGD(lin.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match=r"but rank 1's have \[\['dampening'.*another optimizer class"):
+    with pytest.raises(ValueError, match=r"the root rank 0 has a torch.optim.adam.Adam, but rank 1 has a "
+                                         r"torch.optim.sgd.SGD"):
         hvd.broadcast_optimizer_state(opt, root_rank=0)
+    # a key that only the root's groups have (a scheduler's, or a checkpoint loaded there) is fine
+    sgd = torch.optim.SGD(lin.parameters(), lr=0.1 * (R + 1), momentum=0.9)
+    if R == 0:
+        torch.optim.lr_scheduler.StepLR(sgd, step_size=1)  # adds "initial_lr" to its groups
+    hvd.broadcast_optimizer_state(sgd, root_rank=0)
+    assert sgd.param_groups[0]["lr"] == pytest.approx(0.1)
 
 
 def test_broadcast_optimizer_state_sends_sparse_state_whole():

@@ -151,17 +151,18 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
     # compared on every rank at once: a rank that raised alone would leave the root's
     # broadcasts below waiting for it (and one whose parameters have other shapes would get state
     # of the root's shapes, and fail alone at its next step)
-    # and the settings each group has (an Adam's groups loaded into an SGD left it without
-    # "momentum", and only that rank failed, at its next step)
+    # and the optimizer's class (an Adam's groups loaded into an SGD left it without "momentum",
+    # and only that rank failed, at its next step); not the groups' keys, which a scheduler or a
+    # checkpoint loaded on the root alone may add ("initial_lr")
     shapes = [[tuple(p.shape) for p in g["params"]] for g in optimizer.param_groups]
-    settings = [sorted(k for k in g if k != "params") for g in optimizer.param_groups]
+    kind = next(f"{c.__module__}.{c.__qualname__}" for c in type(optimizer).__mro__
+                if not c.__module__.startswith("hvddp."))
 
     def groups(root: tuple, rank: int, theirs: tuple) -> str:
         sizes = [len(g) for g in root[0]], [len(g) for g in theirs[0]]
         what = (f"param groups of sizes {sizes[0]}, but rank {rank} has {sizes[1]}" if sizes[0] != sizes[1]
                 else f"parameters of shapes {root[0]}, but rank {rank} has {theirs[0]}" if root[0] != theirs[0]
-                else f"param groups with the settings {root[1]}, but rank {rank}'s have {theirs[1]} "
-                     f"(another optimizer class?)")
+                else f"a {root[1]}, but rank {rank} has a {theirs[1]}")
         return f"the root rank {root_rank} has {what}; every rank must build the same optimizer over the same model"
 
     state: Dict[Any, Dict[str, Any]] = {}
@@ -178,7 +179,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
                 value = value.to(params[key].device)
             entry[field] = value
         state[key] = entry
-    _check_like_the_root((shapes, settings), root_rank, process_set, "broadcast_optimizer_state",
+    _check_like_the_root((shapes, kind), root_rank, process_set, "broadcast_optimizer_state",
                          groups, _refusal(moved, "broadcast_optimizer_state"))
     handles = [broadcast_async_(tensor, root_rank, f"broadcast_optimizer_state.{name}", process_set)
                for name, tensor in moved]
