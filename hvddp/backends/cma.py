@@ -99,8 +99,8 @@ def _allow_peers(libc) -> bool:
 class CrossMemory:
     """Single-copy allreduce on one communicator whose ranks all share a node."""
 
-    # fused arrays smaller than this go through the staging buffers (on 2 ranks, packed was
-    # 1.6x faster for 25 KiB arrays, even at 100 KiB, 1.25x slower at 400 KiB)
+    # fused arrays smaller than this go through the staging buffers (on 2 ranks, staged was
+    # 1.3-1.6x faster for 25 KiB arrays, even at 100 KiB, 1.25-1.6x slower at 400 KiB)
     packed_below_bytes = 64 << 10
 
     def __init__(self, comm: MPI.Comm, libc, pids: list) -> None:
