@@ -94,6 +94,13 @@ def test_min_and_max_of_signed_zeros_are_the_same_bits_everywhere(elements):
         if N > 1:
             assert np.signbit(low).all() and not np.signbit(high).any(), (dtype, low[:3], high[:3])
         assert len(set(hvddp.allgather_object(low.tobytes() + high.tobytes()))) == 1
+        # and NaNs of either sign (0/0 gives -NaN on x86): the same bits everywhere, NaN winning
+        nans = np.full(elements, np.nan, dtype=dtype)
+        nans = -nans if R % 2 else nans
+        low = hvddp.allreduce(nans, op=hvddp.Min, name=f"nans.min.{dtype}.{elements}")
+        high = hvddp.allreduce(nans, op=hvddp.Max, name=f"nans.max.{dtype}.{elements}")
+        assert np.isnan(low).all() and np.isnan(high).all()
+        assert len(set(hvddp.allgather_object(low.tobytes() + high.tobytes()))) == 1
 
 
 def test_bool_allreduce_min_max_and_refused_sum():

@@ -50,25 +50,42 @@ def _numpy_op(ufunc, types) -> MPI.Op:
     return MPI.Op.Create(reduce, commute=True)
 
 
-def _signed_zeros(ufunc, combine):
-    """``ufunc`` (numpy's minimum or maximum) where -0.0 ranks below +0.0 (IEEE 754-2019's
-    minimum and maximum): numpy returns either zero of a tie, so ranks combining in different
-    orders ended with different bits (+0.0 on one, -0.0 on another). ``combine`` merges a tie's
-    bit patterns: or keeps a sign bit (min), and drops it unless both have it (max)."""
+def _symmetric(ufunc, keep_sign_if_both: bool):
+    """``ufunc`` (numpy's minimum or maximum) made symmetric in its arguments' sign bits: numpy
+    returns either zero of a tie (and either NaN of two), so ranks combining in different orders
+    ended with different bits (+0.0 on one, -0.0 on another). A minimum is negative exactly when
+    either argument is, a maximum when both are, so the result takes that sign bit: -0.0 ranks
+    below +0.0 (IEEE 754-2019's minimum and maximum), other values keep their sign, and a NaN's
+    sign no longer depends on the order."""
+    both = np.bitwise_and if keep_sign_if_both else np.bitwise_or
+
     def reduce(a, b, out=None):
+        if out is None:
+            out = np.empty_like(a)
         ints = _SAME_SIZE_INT[a.dtype]
-        tie = a == b
-        bits = combine(a.view(ints), b.view(ints))
-        out = ufunc(a, b, out=out)
-        np.copyto(out.view(ints), bits, where=tie)
+        sign = ints(np.iinfo(ints).min)  # the sign bit alone
+        scratch = np.empty(min(a.size, _BLOCK), dtype=ints)
+        a_bits, b_bits, bits = a.view(ints), b.view(ints), out.view(ints)
+        for start in range(0, a.size, _BLOCK):  # a cache-sized block at a time: four passes over
+            stop = min(start + _BLOCK, a.size)  # memory would cost four times one
+            signs = scratch[:stop - start]
+            both(a_bits[start:stop], b_bits[start:stop], out=signs)  # before out (maybe b) changes
+            ufunc(a[start:stop], b[start:stop], out=out[start:stop])
+            if keep_sign_if_both:  # clear the sign unless both had it
+                np.bitwise_or(signs, ~sign, out=signs)
+                np.bitwise_and(bits[start:stop], signs, out=bits[start:stop])
+            else:  # set it if either had it
+                np.bitwise_and(signs, sign, out=signs)
+                np.bitwise_or(bits[start:stop], signs, out=bits[start:stop])
         return out
 
     return reduce
 
 
 _SAME_SIZE_INT = {np.dtype(np.float32): np.int32, np.dtype(np.float64): np.int64}
-ieee_minimum = _signed_zeros(np.minimum, np.bitwise_or)
-ieee_maximum = _signed_zeros(np.maximum, np.bitwise_and)
+_BLOCK = 65536  # elements per pass (256-512 KiB): numpy's call overhead against cache misses
+ieee_minimum = _symmetric(np.minimum, keep_sign_if_both=False)
+ieee_maximum = _symmetric(np.maximum, keep_sign_if_both=True)
 
 # Float Min/Max with numpy's ``minimum``/``maximum``: NaN wins, as it does on the single-copy path
 # and in numpy and torch. MPI's own MIN/MAX compare with ``<``, so whether a NaN survived
