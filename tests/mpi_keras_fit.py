@@ -434,6 +434,20 @@ def test_warmup_ends_at_initial_lr_with_several_steps_per_execution():
     np.testing.assert_allclose(moved / 2, initial_lr, rtol=1e-5)
 
 
+def test_a_fractional_warmup_stops_at_initial_lr():
+    """warmup_epochs=1.5: the ramp went on through epoch 2 and past initial_lr (1.17x at 2 ranks)."""
+    steps, initial_lr = 4, 0.4
+    model = _linear_model()
+    record = _RecordWeight()
+    x, y = np.ones((steps * 2, 1), "float32"), np.zeros((steps * 2, 1), "float32")
+    model.fit(x, y, batch_size=2, epochs=3, verbose=0, shuffle=False,
+              callbacks=[hvd.callbacks.LearningRateWarmupCallback(initial_lr, warmup_epochs=1.5), record])
+    used = -np.diff([0.0] + record.values)  # the learning rate of every step
+    assert used.max() <= initial_lr * (1 + 1e-5), used
+    np.testing.assert_allclose(used[-steps:], initial_lr, rtol=1e-5)  # the last epoch: initial_lr
+    np.testing.assert_allclose(record.logged_lr[1:], initial_lr, rtol=1e-6)
+
+
 def test_warmup_callback_learning_rates():
     steps, epochs, warmup, initial_lr = 3, 3, 2, 0.3
     model = _linear_model()
@@ -982,7 +996,10 @@ def test_a_ragged_allgather_inside_jax_jit_names_the_rule():
     import jax
 
     with pytest.raises(Exception, match=r"allgather ragged: inside jax.jit every rank must pass the same first"):
-        jax.jit(lambda v: hvd.allgather(v, name="ragged"))(ops.ones((RANK + 1, 2)))
+        jax.jit(lambda v: hvd.allgather(v, name="ragged"))(ops.ones((RANK + 1, 2)))  # (at 3 ranks,
+        # rank 1's 2 x 3 rows equal the total: it returned while the others raised)
+    out = jax.jit(lambda v: hvd.allgather(v, name="even"))(ops.ones((2, 2)) * RANK)
+    np.testing.assert_array_equal(np.asarray(out)[:, 0], np.repeat(np.arange(SIZE), 2))
     assert hvd.allgather(np.ones((RANK + 1, 2)), name="ragged.eager").shape == (SIZE * (SIZE + 1) // 2, 2)
 
 

@@ -455,6 +455,8 @@ def test_sync_batch_norm_input_of_the_wrong_width_on_one_rank_fails_every_rank()
                        else r"'sync_batch_norm.4.sum' was refused on rank\(s\) \[0\]"):
         bn(x)
     assert bn(torch.randn(5, 4)).shape == (5, 4)  # and the next call meets
+    # the failed call counted nowhere (it counted on the peers: momentum=None's averages differed)
+    assert hvd.allgather_object(int(bn.num_batches_tracked)) == [1] * N
 
 
 @pytest.mark.parametrize("affine", [True, False])

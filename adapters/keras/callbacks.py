@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import numbers
 from typing import Any, Callable, Optional, Union
 
@@ -302,7 +303,8 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         def multiplier(epoch: float) -> float:
             size = hvddp.size()
             epoch += 1.0 / self.steps_per_epoch
-            return 1.0 / size * (epoch * (size - 1) / warmup_epochs + 1)
+            # (at most 1: a fractional warmup_epochs ends inside an epoch that still calls this)
+            return min(1.0, 1.0 / size * (epoch * (size - 1) / warmup_epochs + 1))
 
         super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs, staircase=False,
                          momentum_correction=momentum_correction, steps_per_epoch=steps_per_epoch,
@@ -311,11 +313,12 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     def on_epoch_end(self, epoch, logs=None):
         super().on_epoch_end(epoch, logs)
-        if epoch == self.end_epoch - 1 and self.warmup_epochs:
+        last = math.ceil(self.warmup_epochs) - 1  # the epoch in which the warm-up ends
+        if epoch == last:
             # initial_lr from here on: with steps_per_execution k, Keras calls on_train_batch_begin
             # once per k steps, so the warm-up's last call set the rate of batch S - k, not S - 1
-            self._set_lr(self.end_epoch - 1 + (self.steps_per_epoch - 1) / self.steps_per_epoch)
-        if epoch == self.end_epoch - 1 and self.warmup_verbose and hvddp.rank() == 0:
+            self._set_lr(self.warmup_epochs - 1.0 / self.steps_per_epoch)
+        if epoch == last and self.warmup_verbose and hvddp.rank() == 0:
             _log.warning("epoch %d: finished gradual learning rate warm-up to %g", epoch + 1,
                          float(_backend.to_numpy(self.model.optimizer.learning_rate)))
 

@@ -107,13 +107,14 @@ def allgather(value: Any, name: Optional[str] = None, process_set: ProcessSet = 
     traced = backend == "jax" and _backend.jax_tracing([value])  # (then the shape is static)
 
     def fn(x):
-        out = np.asarray(hvddp.allgather(x, name=name, process_set=process_set), dtype=x.dtype)
-        if traced and out.shape[0] != out_shape[0]:  # the same result, so every rank raises
-            raise ValueError(f"allgather {name or ''}: inside jax.jit every rank must pass the same first "
-                             f"dimension (shapes are static there); this rank's is {shape[0]}, and the "
-                             f"ranks' together are {out.shape[0]} rows, not {out_shape[0]}. Gather outside "
-                             f"jax.jit, or pad to a common size.")
-        return [out]
+        if traced:  # every rank's row count first (the same answer everywhere, so all raise)
+            rows = hvddp.allgather(np.array([x.shape[0]], dtype=np.int64), process_set=process_set,
+                                   name=None if name is None else f"{name}.rows").tolist()
+            if len(set(rows)) > 1:
+                raise ValueError(f"allgather {name or ''}: inside jax.jit every rank must pass the same "
+                                 f"first dimension (shapes are static there); the ranks passed {rows} rows. "
+                                 f"Gather outside jax.jit, or pad to a common size.")
+        return [np.asarray(hvddp.allgather(x, name=name, process_set=process_set), dtype=x.dtype)]
 
     return _backend.call(fn, [value], [out_shape])[0]
 

@@ -61,18 +61,23 @@ class SyncBatchNorm(_BatchNorm):
                                  op=Sum, process_set=ps)
             raise
         factor = 0.0 if self.momentum is None else self.momentum
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-            if self.momentum is None:
-                factor = 1.0 / float(self.num_batches_tracked)
+        # counted once the batch went through: a call that failed on the peers (a refused input
+        # on one rank) must not count on some ranks only (momentum=None averages over the count)
+        counts = self.training and self.track_running_stats and self.num_batches_tracked is not None
+        if counts and self.momentum is None:
+            factor = 1.0 / (float(self.num_batches_tracked) + 1.0)
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         track = not self.training or self.track_running_stats
         running_mean = self.running_mean if track else None
         running_var = self.running_var if track else None
         if not syncs:  # (eval: no communication)
-            return F.batch_norm(input, running_mean, running_var, self.weight, self.bias,
-                                bn_training, factor, self.eps)
-        return self._sync_forward(input, running_mean, running_var, factor)
+            out = F.batch_norm(input, running_mean, running_var, self.weight, self.bias,
+                               bn_training, factor, self.eps)
+        else:
+            out = self._sync_forward(input, running_mean, running_var, factor)
+        if counts:
+            self.num_batches_tracked.add_(1)
+        return out
 
     def _sync_forward(self, x, running_mean, running_var, factor):
         if x.dtype in (torch.float16, torch.bfloat16):  # statistics (and counts) in float32
