@@ -58,6 +58,17 @@ _BOOL_UFUNCS = {ReduceOp.MIN: np.logical_and, ReduceOp.MAX: np.logical_or}
 _FLOAT_UFUNCS = {**_UFUNCS, ReduceOp.MIN: ieee_minimum, ReduceOp.MAX: ieee_maximum}
 
 
+def _rescaling(dtype: np.dtype, scale: float):
+    """What multiplies a reduced piece by ``scale`` in place (None for 1): in its own type for
+    floats; integers divided exactly by k when scale is 1/k (an Average), else in float64."""
+    if scale == 1.0:
+        return None
+    if dtype.kind == "f":
+        factor = dtype.type(scale)
+        return lambda acc: np.multiply(acc, factor, out=acc)
+    return lambda acc: _scaled_copy(acc, acc, scale)
+
+
 def _ufunc(dtype: np.dtype, op: int):
     return (_BOOL_UFUNCS if dtype.kind == "b" else _FLOAT_UFUNCS if dtype.kind == "f" else _UFUNCS)[op]
 
@@ -114,13 +125,11 @@ class CrossMemory:
         # one region per peer, so that each piece is reduced over every peer before the next
         self._region_bytes = max(SCRATCH_BYTES // max(self.size - 1, 1) // 64 * 64, 64 << 10)
         self._scratch = np.empty(self._region_bytes * max(self.size - 1, 1), dtype=np.uint8)
-        # iovec arrays that numpy fills: [base, length] rows
-        self._local_table = np.zeros((_IOV_MAX, 2), dtype=np.uint64)
-        self._remote_table = np.zeros((_IOV_MAX, 2), dtype=np.uint64)
-        self._local_iov = (_IoVec * _IOV_MAX).from_buffer(self._local_table)
-        self._remote_iov = (_IoVec * _IOV_MAX).from_buffer(self._remote_table)
+        self._local_table = np.zeros((_IOV_MAX, 2), dtype=np.uint64)  # [base, length] rows numpy
+        self._local_iov = (_IoVec * _IOV_MAX).from_buffer(self._local_table)  # fills (_copy_own)
+        self._remote_iov = (_IoVec * _IOV_MAX)()
         self._error: Optional[str] = None
-        self._stages: Optional[list] = None  # [mapping, two buffers, their addresses, each rank's]
+        self._stages: Optional[list] = None  # [mapping, the two buffers, each rank's address of them]
 
     @classmethod
     def probe(cls, comm: MPI.Comm) -> Optional["CrossMemory"]:
@@ -205,12 +214,17 @@ class CrossMemory:
         except Exception as exc:  # whatever it was, the peers must still hear of it
             ok = 0
             self._note(exc)
-        flag = self._flag
-        flag[0] = size if ok else self.rank  # the minimum names the first rank that failed
         # also the barrier after which no peer touches this rank's arrays any more
-        comm.Allreduce(MPI.IN_PLACE, [flag, MPI.INT32_T], MPI.MIN)
-        if flag[0] < size:
-            self._raise_failure(int(flag[0]))
+        if not self._all_ok(ok):
+            self._raise_failure(int(self._flag[0]))
+
+    def _all_ok(self, ok: bool) -> bool:
+        """Whether every rank is ok (collective: an ``Allreduce`` of an ok-flag, also a barrier);
+        if not, ``self._flag[0]`` names the first rank that failed."""
+        flag = self._flag
+        flag[0] = self.size if ok else self.rank
+        self.comm.Allreduce(MPI.IN_PLACE, [flag, MPI.INT32_T], MPI.MIN)
+        return flag[0] == self.size
 
     def _note(self, exc: Exception) -> None:
         self._error = str(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
@@ -230,8 +244,7 @@ class CrossMemory:
         """
         dtype = dsts[0].dtype
         ufunc = _ufunc(dtype, op)
-        factor = dtype.type(scale) if scale != 1.0 and dtype.kind == "f" else None
-        integer_scale = scale != 1.0 and dtype.kind != "f"  # (exact division for an Average)
+        rescale = _rescaling(dtype, scale)
         item = dtype.itemsize
         room = max(1, self._region_bytes // item)  # elements per peer region
         scratch = self._scratch.view(dtype)
@@ -262,10 +275,8 @@ class CrossMemory:
                 ufunc(src, scratch[at:stop], out=acc)
                 for m in range(1, len(peers)):
                     ufunc(acc, scratch[m * room + at:m * room + stop], out=acc)
-                if factor is not None:
-                    np.multiply(acc, factor, out=acc)
-                elif integer_scale:
-                    _scaled_copy(acc, acc, scale)
+                if rescale is not None:
+                    rescale(acc)
                 if shared:
                     np.copyto(out, acc)
                 at = stop
@@ -310,10 +321,10 @@ class CrossMemory:
         then each rank unpacks (one system call scatters the chunk). Collective: every rank
         passes the same sizes in the same order.
         """
-        comm, size = self.comm, self.size
         if self._stages is None:
             self._stages = self._make_stages()
-        _, _, stage_addresses, bases = self._stages
+        bases = self._stages[2]
+        own = bases[self.rank]
         dtype = dsts[0].dtype
         item = dtype.itemsize
         k = len(dsts)
@@ -326,7 +337,6 @@ class CrossMemory:
             np.fromiter(map(address, dsts), dtype=np.int64, count=k)
         per_chunk = STAGE_BYTES // item
         chunks = [(c, min(c + per_chunk, total)) for c in range(0, total, per_chunk)]
-        flag = self._flag
         failed = False
 
         def move(fn, arrays: np.ndarray, c: int) -> None:
@@ -338,7 +348,7 @@ class CrossMemory:
             lengths = (np.minimum(ends[first:last], hi) - begin) * item
             at = arrays[first:last] + (begin - starts[first:last]) * item
             keep = lengths > 0
-            self._copy_own(fn, at[keep], lengths[keep], stage_addresses[c % 2])
+            self._copy_own(fn, at[keep], lengths[keep], own + c % 2 * STAGE_BYTES)
 
         def pack(c: int) -> None:
             move(self._writev_fn, ins, c)
@@ -355,11 +365,8 @@ class CrossMemory:
                     failed = True
                     self._note(exc)
 
-        def sync() -> bool:
-            """The steps' barrier; False on every rank once any rank failed."""
-            flag[0] = self.rank if failed else size  # the minimum names the first rank that failed
-            comm.Allreduce(MPI.IN_PLACE, [flag, MPI.INT32_T], MPI.MIN)
-            return flag[0] == size
+        def sync() -> bool:  # the steps' barrier; False on every rank once any rank failed
+            return self._all_ok(not failed)
 
         if chunks:
             step(pack, 0)
@@ -375,7 +382,7 @@ class CrossMemory:
         if going and chunks:
             going = sync()  # the last chunk's unpacking
         if not going:
-            self._raise_failure(int(flag[0]))
+            self._raise_failure(int(self._flag[0]))
 
     def _make_stages(self) -> list:
         """Two staging buffers in one private anonymous mapping aligned to huge pages (moving
@@ -400,15 +407,14 @@ class CrossMemory:
         bases = self.comm.allgather(start)
         if not all(bases):
             self._raise_failure(bases.index(0))
-        return [region, [buf[:STAGE_BYTES], buf[STAGE_BYTES:]], [start, start + STAGE_BYTES], bases]
+        return [region, [buf[:STAGE_BYTES], buf[STAGE_BYTES:]], bases]
 
     def _reduce_staged(self, which: int, count: int, dtype, op: int, scale: float, bases: list) -> None:
         """Reduce this rank's slice of the staged chunk ``which`` over every peer, a scratch at a
         time, and write each reduced piece into every peer's staging buffer."""
         rank, size, item = self.rank, self.size, dtype.itemsize
         ufunc = _ufunc(dtype, op)
-        factor = dtype.type(scale) if scale != 1.0 and dtype.kind == "f" else None
-        integer_scale = scale != 1.0 and dtype.kind != "f"
+        rescale = _rescaling(dtype, scale)
         start, stop = count * rank // size, count * (rank + 1) // size
         offset = which * STAGE_BYTES
         mine = self._stages[1][which].view(dtype)
@@ -427,10 +433,8 @@ class CrossMemory:
                 self._call(self._readv_fn, peer, 1, 1, nbytes)
             for m in range(len(peers)):
                 ufunc(acc, scratch[m * room:m * room + end - start], out=acc)
-            if factor is not None:
-                np.multiply(acc, factor, out=acc)
-            elif integer_scale:
-                _scaled_copy(acc, acc, scale)
+            if rescale is not None:
+                rescale(acc)
             local[0].base, local[0].len = acc.ctypes.data, nbytes
             for peer in peers:
                 remote[0].base, remote[0].len = bases[peer] + offset + start * item, nbytes

@@ -159,13 +159,7 @@ class Executor:
             groups = batches.get(key)
             if groups is None:
                 groups = batches[key] = []
-            if nbytes >= threshold:
-                groups.append([nbytes, [item]])
-            elif groups and groups[-1][0] + nbytes <= threshold:
-                groups[-1][0] += nbytes
-                groups[-1][1].append(item)
-            else:
-                groups.append([nbytes, [item]])
+            _fuse(groups, item, nbytes, threshold)
         if inplace and len(cpu_entries) > 1:
             _unalias(cpu_entries)
         for key, groups in batches.items():
@@ -367,8 +361,9 @@ class Executor:
         """Reduce tensors of one fusion key through cross-memory attach.
 
         With ``packed`` False tensors are reduced on their own memory: the peers read each
-        array's slices where they are. Small fused ones go through the path's staging buffers. Either way Average's 1/size (and any postscale) is applied by each slice's
-        owner while the slice is in cache.
+        array's slices where they are. Small fused ones go through the path's staging buffers.
+        Either way Average's 1/size (and any postscale) is applied by each slice's owner while the
+        slice is in cache.
         """
         request0 = group[0][0]
         ps = self.process_sets[request0.ps_id]
@@ -411,17 +406,22 @@ def _meta(request: Request) -> tuple:
     return numel, wire, numel * _ITEMSIZE[wire], key
 
 
+def _fuse(groups: list, item, nbytes: int, threshold: int) -> None:
+    """Add ``item`` (``nbytes`` on the wire) to the last ``[bytes, items]`` fusion batch of
+    ``groups`` if it fits in ``threshold``, else start one (a tensor that large starts its own)."""
+    if nbytes < threshold and groups and groups[-1][0] + nbytes <= threshold:
+        groups[-1][0] += nbytes
+        groups[-1][1].append(item)
+    else:
+        groups.append([nbytes, [item]])
+
+
 def _batched(items: list, threshold: int) -> list:
-    """``items`` in fusion batches of at most ``threshold`` wire bytes (a larger one alone)."""
-    batches, used = [], 0
+    """``items`` in fusion batches, as ``run`` forms them."""
+    groups: list = []
     for item in items:
-        nbytes = _meta(item[0])[2]
-        if not batches or used + nbytes > threshold:
-            batches.append([])
-            used = 0
-        batches[-1].append(item)
-        used += nbytes
-    return batches
+        _fuse(groups, item, _meta(item[0])[2], threshold)
+    return [batch for _, batch in groups]
 
 
 def _unalias(entries: list) -> None:
