@@ -324,18 +324,21 @@ def test_a_killed_hvddprun_takes_the_job_with_it():
     import signal
 
     script = ("import os, time, hvddp; hvddp.init(); "
-              f"print(f'rank-is-up pid {{os.getpid()}} in {{os.environ[\"{_faults.STATUS_DIR_VARIABLE}\"]}}', "
+              f"print(f'rank-is-up pid <{{os.getpid()}}> in <{{os.environ[\"{_faults.STATUS_DIR_VARIABLE}\"]}}>', "
               "flush=True); time.sleep(60)")
     started = time.time()
     proc = _start_hvddprun(script)
     ranks, status_dirs = [], set()
     try:
+        seen = ""
         while len(ranks) < 2:
             line = proc.stdout.readline()
-            assert line, "hvddprun ended before the ranks were up"
-            for pid, directory in re.findall(r"rank-is-up pid (\d+) in (\S+)", line):
-                ranks.append(int(pid))
-                status_dirs.add(directory)
+            assert line, f"hvddprun ended before the ranks were up:\n{seen}"
+            seen += line
+            # (delimited: two ranks' lines can share one, and a bare path ran into the next)
+            found = re.findall(r"rank-is-up pid <(\d+)> in <([^>]+)>", seen)
+            ranks = [int(pid) for pid, _ in found]
+            status_dirs = {directory for _, directory in found}
         proc.kill()
         proc.wait()
         deadline = time.monotonic() + 15
@@ -398,10 +401,11 @@ def test_a_signal_to_hvddprun_alone_stops_the_job(signame):
     script = "import time, hvddp; hvddp.init(); print('rank-is-up', flush=True); time.sleep(120)"
     proc = _start_hvddprun(script)
     try:
-        up = 0
+        up, seen = 0, ""
         while up < 2:  # both ranks are past init() and sleeping (a hang is caught by the timeout)
             line = proc.stdout.readline()
-            assert line, "hvddprun ended before the ranks were up"
+            assert line, f"hvddprun ended before the ranks were up:\n{seen}"
+            seen += line
             up += line.count("rank-is-up")  # (two ranks' lines can share one)
         start = time.monotonic()
         proc.send_signal(getattr(signal, signame))
@@ -448,10 +452,11 @@ def test_a_rank_gets_a_signal_to_hvddprun_once_and_so_do_its_children(to, tmp_pa
     proc = _start_hvddprun(script)
     children, monitors = [], []
     try:
-        up = 0
+        up, seen = 0, ""
         while up < 2:
             line = proc.stdout.readline()
-            assert line, "hvddprun ended before the ranks were up"
+            assert line, f"hvddprun ended before the ranks were up:\n{seen}"
+            seen += line
             up += line.count("rank-is-up")
             for child, monitor in re.findall(r"rank-is-up child (\d+) monitor (\d+)", line):
                 children.append(int(child))
