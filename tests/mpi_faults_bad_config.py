@@ -75,7 +75,7 @@ def timeline_main() -> None:
         except Exception as exc:  # report whatever happened; the test decides
             outcome = f"{type(exc).__name__}: {exc}"
         del os.environ[variable]
-        sys.stdout.write(f"TIMELINE OUTCOME {variable} {outcome}\n")
+        sys.stdout.write(f"TIMELINE OUTCOME {variable} {outcome} <end>\n")  # (ended: see test_bad_input)
         sys.stdout.flush()
         if not outcome.startswith("ValueError"):
             # A one-sided failure: exit handlers could wait for the peer, so leave without them,
@@ -100,7 +100,7 @@ def disagree_main() -> None:
         outcome = f"ValueError: {exc}"
         assert not hvddp.is_initialized()
         assert not os.path.exists(timeline), timeline
-    sys.stdout.write(f"DISAGREE OUTCOME {outcome}\n")
+    sys.stdout.write(f"DISAGREE OUTCOME {outcome} <end>\n")
     sys.stdout.flush()
 
 

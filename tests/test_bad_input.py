@@ -23,7 +23,8 @@ def test_bad_timeline_path_fails_on_every_rank():
     """HVDDP_TIMELINE parses as any text; a path rank 0 cannot create must fail every rank,
     naming the variable set (HOROVOD_TIMELINE's error told the user to fix HVDDP_TIMELINE)."""
     result = run(2, ["tests/mpi_faults_bad_config.py", "timeline"], timeout=60, check=False)
-    outcomes = re.findall(r"TIMELINE OUTCOME (\S+) (.*)", result.stdout)
+    # (each record ends in <end>: mpiexec sometimes writes two ranks' lines as one)
+    outcomes = re.findall(r"TIMELINE OUTCOME (\S+) (.*?) <end>", result.stdout)
     assert len(outcomes) == 4, result.stdout
     for variable, outcome in outcomes:
         assert outcome.startswith(f"ValueError: environment variable {variable}="), result.stdout
@@ -33,7 +34,7 @@ def test_bad_timeline_path_fails_on_every_rank():
 def test_engine_variables_that_differ_across_ranks_fail_on_every_rank(tmp_path):
     result = run(2, ["tests/mpi_faults_bad_config.py", "disagree", str(tmp_path / "timeline.json")],
                  timeout=60)
-    outcomes = re.findall(r"DISAGREE OUTCOME (.*)", result.stdout)
+    outcomes = re.findall(r"DISAGREE OUTCOME (.*?) <end>", result.stdout)
     assert len(outcomes) == 2, result.stdout
     for outcome in outcomes:
         assert outcome.startswith("ValueError") and "HOROVOD_CMA_THRESHOLD / HVDDP_CMA_THRESHOLD " \
