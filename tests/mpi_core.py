@@ -451,6 +451,20 @@ def test_groups_of_different_sizes_fail_whole_and_free_every_name():
             np.testing.assert_array_equal(out, np.full(2, N))
 
 
+def test_groups_of_one_size_with_other_members_fail_and_free_every_name():
+    """Rank 0 groups a with b, the others a with c: a meets in groups of one size whose ids
+    differ, which read as the same value ("a group of 2"), so a ran and b and c waited for ever."""
+    if N == 1:
+        pytest.skip("needs two ranks")
+    with pytest.raises(hvddp.MismatchError, match=r"group differs across ranks: rank 0 a group of 2 \(id \w+\), "
+                       r"rank 1 a group of 2 \(id \w+\).*members differ"):
+        hvddp.grouped_allreduce([np.ones(2), np.ones(3)], names=["mo.a", "mo.b" if R == 0 else "mo.c"])
+    again = hvddp.grouped_allreduce([np.ones(2), np.ones(3), np.ones(4)], op=hvddp.Sum,
+                                    names=["mo.a", "mo.b", "mo.c"])
+    for out, n in zip(again, (2, 3, 4)):
+        np.testing.assert_array_equal(out, np.full(n, N))
+
+
 def test_a_failed_group_runs_no_member():
     """A group is atomic: one member whose shape differs on one rank fails the whole group, and
     the other members are not reduced into the caller's arrays after the call has raised (they

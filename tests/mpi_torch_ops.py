@@ -109,6 +109,19 @@ def test_grouped_allreduce_all_forms():
     hvd.synchronize(handle)
     for o, e in zip(zs, expected):
         assert_equal(o, e)
+    # members named as asked: they meet the calls of other ranks under those names
+    for fn in (hvd.grouped_allreduce_async, hvd.grouped_allreduce_async_):
+        if N > 1:
+            handle = (fn([x.clone() for x in xs], op=hvd.Sum, names=["g5.a", "g5.b", "g5.c"]) if R == 0
+                      else hvd.allreduce_async(xs[1].clone(), op=hvd.Sum, name="g5.b"))
+            with pytest.raises(hvd.MismatchError, match=r"'g5.b': group differs across ranks: rank 0 a group of 3"):
+                hvd.synchronize(handle)
+        for o, e in zip(hvd.synchronize(fn([x.clone() for x in xs], op=hvd.Sum, names=["g5.a", "g5.b", "g5.c"])),
+                        expected):
+            assert_equal(o, e)
+    for o, e in zip(hvd.grouped_allreduce_([x.clone() for x in xs], op=hvd.Sum, names=["g6.a", "g6.b", "g6.c"]),
+                    expected):
+        assert_equal(o, e)
 
 
 def test_poll_and_async():
@@ -279,10 +292,11 @@ def test_allreduce_grad():
         hvd.allreduce(torch.ones(2, requires_grad=True), op=hvd.Max, name="grad.max").sum().backward()
 
 
-def test_grouped_allreduce_grad():
+@pytest.mark.parametrize("names", [None, ["gar.a", "gar.b"]])
+def test_grouped_allreduce_grad(names):
     a = torch.ones(2, requires_grad=True)
     b = torch.ones(3, dtype=torch.float64, requires_grad=True)
-    ya, yb = hvd.grouped_allreduce([a, b], op=hvd.Sum, name="grad.gar")
+    ya, yb = hvd.grouped_allreduce([a, b], op=hvd.Sum, name="grad.gar", names=names)
     (ya.sum() * (R + 1) + yb.sum() * 2).backward()
     assert_equal(a.grad, torch.full((2,), float(sum(r + 1 for r in range(N)))))
     assert_equal(b.grad, torch.full((3,), 2.0 * N, dtype=torch.float64))

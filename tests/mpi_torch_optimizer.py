@@ -163,6 +163,35 @@ def test_parity_groups(groups):
     assert_replicas_identical(model, f"groups.{groups}")
 
 
+@pytest.mark.parametrize("other", [None, 2, "other_members"])
+def test_ranks_that_group_differently_fail_every_rank(other):
+    """Rank 0 groups two parameters together, the others group otherwise (not at all, two
+    groups, or other members): group members went under group names, so the ranks submitted
+    different names and waited for ever; under the parameters' names they meet and raise."""
+    if N == 1:
+        pytest.skip("needs more than one rank")
+    torch.manual_seed(0)
+    model = Net()
+    params = list(model.parameters())
+    if R == 0:
+        groups = [params[:2]]
+    elif other == "other_members":
+        groups = [params[1:3]]
+    else:
+        groups = other
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), groups=groups)
+    model(torch.randn(4, 6)).sum().backward()
+    with pytest.raises(hvd.HvddpError, match=r"group differs across ranks: rank 0 "):
+        opt.step()
+    opt.zero_grad()  # the engine goes on: the same grouping on every rank trains
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), groups=[params[:2]])
+    model(torch.randn(4, 6)).sum().backward()
+    opt.step()
+    assert_replicas_identical(model, f"regrouped.{other}")
+
+
 @pytest.mark.parametrize("name,dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
 def test_parity_compression(name, dtype):
     """The reference rounds each shard's gradient to 16 bits, averages in float32 and rounds the

@@ -242,15 +242,16 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                             name: Optional[str] = None, op: Optional[ReduceOp] = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            process_set: ProcessSet = global_process_set) -> Handle:
+                            process_set: ProcessSet = global_process_set,
+                            names: Optional[Sequence[str]] = None) -> Handle:
     """Start reducing a list of tensors as one atomic group; the result is a list of new tensors.
 
-    Members are named ``<name>.<i>``; every rank passes the same number of tensors with the same
-    shapes and dtypes in the same order.
+    Members are named ``<name>.<i>``, or ``names`` (one per tensor); every rank passes the same
+    number of tensors with the same shapes and dtypes in the same order.
     """
     tensors = _tensors(tensors, "grouped_allreduce")
     core = hvddp.grouped_allreduce_async([source(t) for t in tensors], average, name, op,
-                                         prescale_factor, postscale_factor, process_set)
+                                         prescale_factor, postscale_factor, process_set, names)
     return Handle(core.name, [core], _outs(tensors))
 
 
@@ -258,38 +259,41 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                              name: Optional[str] = None, op: Optional[ReduceOp] = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                             process_set: ProcessSet = global_process_set) -> Handle:
+                             process_set: ProcessSet = global_process_set,
+                             names: Optional[Sequence[str]] = None) -> Handle:
     """Start reducing a list of tensors in place as one group; the result is the list."""
     tensors = _tensors(tensors, "grouped_allreduce_")
     bufs = [target(t) for t in tensors]
     core = hvddp.grouped_allreduce_async_([b for b, _ in bufs], average, name, op, prescale_factor,
-                                          postscale_factor, process_set)
+                                          postscale_factor, process_set, names)
     return Handle(core.name, [core], _inplace(tensors, [c for _, c in bufs], False))
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                        name: Optional[str] = None, op: Optional[ReduceOp] = None,
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                       process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
+                       process_set: ProcessSet = global_process_set,
+                       names: Optional[Sequence[str]] = None) -> List[torch.Tensor]:
     """Reduce a list of tensors in place as one group and return it; blocks."""
     return grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
-                                    process_set).wait()
+                                    process_set, names).wait()
 
 
 class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, average, name, op, prescale_factor, postscale_factor, process_set, *tensors):
-        ctx.args = (average, name, op, prescale_factor, postscale_factor, process_set)
+    def forward(ctx, average, name, op, prescale_factor, postscale_factor, process_set, names, *tensors):
+        ctx.args = (average, name, op, prescale_factor, postscale_factor, process_set, names)
         return tuple(grouped_allreduce_async(list(tensors), average, name, op, prescale_factor,
-                                             postscale_factor, process_set).wait())
+                                             postscale_factor, process_set, names).wait())
 
     @staticmethod
     def backward(ctx, *grads):
-        average, name, op, pre, post, process_set = ctx.args
+        average, name, op, pre, post, process_set, names = ctx.args
         _check_differentiable(op, average)
         out = grouped_allreduce([g.contiguous() for g in grads], average, _grad_name(name), op=op,
-                                prescale_factor=pre, postscale_factor=post, process_set=process_set)
-        return (None,) * 6 + tuple(out)
+                                prescale_factor=pre, postscale_factor=post, process_set=process_set,
+                                names=None if names is None else [_grad_name(n) for n in names])
+        return (None,) * 7 + tuple(out)
 
 
 @_announced(hvddp.grouped_allreduce_async)
@@ -297,17 +301,18 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
                       name: Optional[str] = None, compression: Compressor = Compression.none,
                       op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0,
-                      process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
+                      process_set: ProcessSet = global_process_set,
+                      names: Optional[Sequence[str]] = None) -> List[torch.Tensor]:
     """Reduce a list of tensors as one group and return new tensors; blocks; differentiable."""
     tensors = _tensors(tensors, "grouped_allreduce")
     pairs = [compression.compress(t) for t in tensors]
     compressed = [c for c, _ in pairs]
     if _needs_grad(*compressed):
         outs = list(_GroupedAllreduce.apply(average, name, op, prescale_factor, postscale_factor,
-                                            process_set, *compressed))
+                                            process_set, names, *compressed))
     else:
         outs = grouped_allreduce_async(compressed, average, name, op, prescale_factor,
-                                       postscale_factor, process_set).wait()
+                                       postscale_factor, process_set, names).wait()
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
 
 

@@ -342,9 +342,12 @@ class _DistributedOptimizer(WrapperCommon):
             handle = allreduce_async_(sent, None, self._hvddp_prefix + self._hvddp_names[p],
                                       self._hvddp_op, self._hvddp_pre, self._hvddp_post, ps)
         else:
+            # members under their parameters' names, as when ungrouped: ranks that group
+            # differently then meet on a name and raise, rather than wait on different names
             handle = grouped_allreduce_async_([item[1] for item in dense], None,
                                               f"{self._hvddp_prefix}group.{gi}", self._hvddp_op,
-                                              self._hvddp_pre, self._hvddp_post, ps)
+                                              self._hvddp_pre, self._hvddp_post, ps,
+                                              [self._hvddp_full_names[p] for p, _, _, _ in dense])
         watch = [(self._hvddp_names[p], p, sent) for p, sent, _, _ in dense if sent is p.grad]  # in place
         self._hvddp_flights.append(_Flight(handle, dense, gi is not None, watch))
 

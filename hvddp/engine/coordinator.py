@@ -271,13 +271,18 @@ class Coordinator:
                             + ". Every rank must call the same collective under one name.", first)
         for field in _fields(first.kind):
             values = {r: _value(q, field) for r, q in requests}
+            hint = ""
             if field == "root rank":  # requests carry the set's index; users pass global ranks
                 values = {r: ps.ranks[v] if 0 <= v < len(ps.ranks) else v for r, v in values.items()}
+            elif field == "group" and len(set(values.values())) == 1 and len({q.group for _, q in requests}) > 1:
+                # groups of one size with other members (whose names differ): the ids tell them apart
+                values = {r: f"{v} (id {q.group[0]})" for (r, q), v in zip(requests, values.values())}
+                hint = " (groups of one size whose members differ: group the same tensors on every rank)"
             if len(set(values.values())) > 1:
                 shown = ", ".join(f"rank {r} {v}" for r, v in values.items())
                 return Response(first.kind, key[0], key[1],
                                 f"{first.kind.value} {key[1]!r}: {field} differs across ranks: "
-                                f"{shown}.", first)
+                                f"{shown}{hint}.", first)
         info = None
         if first.kind is Kind.ALLGATHER:
             info = [by_rank[r].shape[0] if r in by_rank else 0 for r in ps.ranks]
