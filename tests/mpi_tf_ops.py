@@ -546,6 +546,37 @@ def test_grouped_allgather_and_reducescatter_with_gradients(mode):
     np.testing.assert_allclose(ds.numpy(), owner * 3.0 * np.ones((1, 3)))
 
 
+def test_alltoall_splits_that_are_not_whole_numbers_are_refused_on_every_rank():
+    """Float splits were cast to int64 ([1.9, 2.1] sent 1 and 2 rows: a row silently unsent) and
+    nested ones flattened; refused on rank 0, the others fail naming it instead of waiting."""
+    x = tf.ones([2 * SIZE])
+    for bad, why in (([1.5] * SIZE, TypeError), ([[2]] * SIZE, ValueError)):
+        if RANK == 0:
+            with pytest.raises(why, match=r"alltoall: splits must be"):
+                hvd.alltoall(x, splits=bad)
+        elif SIZE > 1:
+            with pytest.raises(Exception, match=r"refused on rank\(s\) \[0\] \(\w+Error: alltoall: splits must be"):
+                hvd.alltoall(x, splits=[2] * SIZE)
+    out, received = hvd.alltoall(x, splits=np.full(SIZE, 2, np.int32))
+    np.testing.assert_array_equal(received.numpy(), [2] * SIZE)
+
+
+def test_broadcast_variables_refusals_are_announced_and_name_the_variable():
+    """A bad root_rank on one rank: the others waited for ever in the first exchange. A dtype
+    hvddp does not move is named with its variable (was "tensor has dtype object")."""
+    v = tf.Variable([float(RANK)])
+    if RANK == 0:
+        with pytest.raises(ValueError, match="broadcast_variables: root_rank"):
+            hvd.broadcast_variables([v], root_rank=SIZE + 3)
+    elif SIZE > 1:
+        with pytest.raises(hvd.MismatchError, match=r"refused on rank\(s\) \[0\] \(ValueError: broadcast_variables"):
+            hvd.broadcast_variables([v], root_rank=0)
+    with pytest.raises(TypeError, match=r"broadcast_variables: words:0 has dtype string, which hvddp does not"):
+        hvd.broadcast_variables([v, tf.Variable(["a"], name="words")], root_rank=0)
+    hvd.broadcast_variables([v], root_rank=SIZE - 1)
+    np.testing.assert_array_equal(v.numpy(), [SIZE - 1.0])
+
+
 def test_broadcast_root_is_a_global_rank():
     """As in Horovod: on a process set, root_rank counts in hvd.rank()'s numbering."""
     last = hvd.add_process_set([SIZE - 1])
@@ -1160,7 +1191,15 @@ def test_sparse_gradient_penalty_and_a_rank_without_the_gradient(mode):
         with tf.GradientTape() as tape:
             used = tf.gather(table, [1, 2]) * weight if RANK == 0 else weight * 2.0
             loss = tf.reduce_sum(used)
-        with pytest.raises(hvd.MismatchError, match="must not be None on another rank.*sparse_as_dense=True"):
+        # (the message leads with that cause: the count that differs first read as another model)
+        with pytest.raises(hvd.MismatchError, match=r"^tf\.grads: the ranks reduce different numbers of dense "
+                           r"gradients, which a gradient that is sparse \(tf.IndexedSlices\) on some ranks and "
+                           r"dense or None on others does: .*sparse_as_dense=True"):
+            hvd.DistributedGradientTape(tape).gradient(loss, [table, weight])
+        with tf.GradientTape() as tape:  # dense on the other ranks, not None: the same message
+            used = tf.gather(table, [1, 2]) * weight if RANK == 0 else table * weight
+            loss = tf.reduce_sum(used)
+        with pytest.raises(hvd.MismatchError, match=r"sparse \(tf.IndexedSlices\) on some ranks and dense or None"):
             hvd.DistributedGradientTape(tape).gradient(loss, [table, weight])
         # two tables of one shape, each looked up on one rank only: the groups match in shape, and
         # the gathers of the two tables met under one name (each rank updated its own table with

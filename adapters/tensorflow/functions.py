@@ -73,8 +73,16 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int,
         None eagerly; inside a ``tf.function``, the op that assigns them.
     """
     variables = list(variables)
-    _check_root(root_rank, process_set, "broadcast_variables")
     labels = [source_label(v, i) for i, v in enumerate(variables)]
+    # refused here: announced under the first exchange's name, which the other ranks wait on
+    with _grouping.announcing(hvddp.allgather, f"{_CHECK}.size", process_set):
+        _check_root(root_rank, process_set, "broadcast_variables")
+        for v, label in zip(variables, labels):
+            dtype = _dtype_name(v)
+            if dtype not in _BROADCASTABLE:
+                raise TypeError(f"broadcast_variables: {label} has dtype {dtype}, which hvddp does not "
+                                f"broadcast (supported: {', '.join(sorted(_BROADCASTABLE))}); leave it out "
+                                f"of the list, or set it from hvd.broadcast_object.")
     if tf.executing_eagerly():
         values = _broadcast_values([np.asarray(v.numpy()) for v in variables], labels, root_rank, process_set)
         for v, value in zip(variables, values):
@@ -111,9 +119,20 @@ def broadcast_(variables: Iterable[Any], root_rank: int, name: Optional[str] = N
                 for v in variables]
 
 
+_CHECK = "tf.bcast.check"  # the name of broadcast_variables' first exchange (an allgather_object)
+_BROADCASTABLE = frozenset(hvddp.ops.SUPPORTED_DTYPES) | {"uint16", "uint32", "uint64"}  # (as bits)
+
+
+def _dtype_name(variable: Any) -> str:
+    try:
+        return tf.as_dtype(variable.dtype).name
+    except (TypeError, ValueError):
+        return str(getattr(variable, "dtype", type(variable).__name__))
+
+
 def _broadcast_values(values: List[np.ndarray], labels: List[str], root_rank: int,
                       process_set: ProcessSet) -> List[np.ndarray]:
-    _grouping.check_same_lists("tf.bcast.check", labels, [a.shape for a in values],
+    _grouping.check_same_lists(_CHECK, labels, [a.shape for a in values],
                                [a.dtype.name for a in values], process_set)
     handles = [hvddp.broadcast_async(_grouping.wire(value), root_rank, name=f"tf.bcast.{i}",
                                      process_set=process_set) for i, value in enumerate(values)]

@@ -304,6 +304,13 @@ def reduce_gradients(grads: Sequence[Any], sources: Sequence[Any], labels: Seque
     except hvddp.MismatchError as exc:
         if sparse_as_dense or op not in (hvddp.Average, hvddp.Sum) or _SPARSE_HINT in str(exc):
             raise
+        if "different numbers of tensors" in str(exc):
+            # what a gradient sparse on some ranks only does first: the ranks' dense groups differ
+            # in size (it is left out of the group where it is sparse)
+            raise hvddp.MismatchError(
+                f"{prefix}: the ranks reduce different numbers of dense gradients, which a gradient "
+                f"that is sparse (tf.IndexedSlices) on some ranks and dense or None on others does: "
+                f"{_SPARSE_FIX}. (Or the ranks pass different variables: {exc})") from None
         raise hvddp.MismatchError(f"{exc} ({_SPARSE_HINT})") from None
 
 
@@ -375,9 +382,9 @@ def _reduce_dense(grads, sources, labels, prefix, op, gradient_predivide_factor,
     return list(_op(*dense))
 
 
-_SPARSE_HINT = ("if a gradient is a tf.IndexedSlices on some ranks and None on others: a sparse "
-                "gradient is gathered, not reduced, so it must not be None on another rank; compute "
-                "it on every rank, or pass sparse_as_dense=True to reduce it as a dense tensor")
+_SPARSE_FIX = ("a sparse gradient is gathered, not reduced, so it must be sparse on every rank; compute "
+               "it the same way on every rank, or pass sparse_as_dense=True to reduce it as a dense tensor")
+_SPARSE_HINT = "if a gradient is a tf.IndexedSlices on some ranks and dense or None on others: " + _SPARSE_FIX
 
 
 def _gathered_slices(grad: tf.IndexedSlices, name: str, op: Any, pre: float, post: float,
@@ -531,12 +538,19 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None, ignore
     name = _name(name, "alltoall", process_set)
     with _announcing(hvddp.alltoall, name, process_set):
         tensor = _dense(tensor, "alltoall")
+        if splits is None:
+            splits_t = tf.zeros([0], tf.int64)
+        else:  # (a cast would truncate 1.9 to 1 and leave rows unsent; Horovod's op takes int32)
+            splits_t = tf.convert_to_tensor(splits)
+            if not splits_t.dtype.is_integer:
+                raise TypeError(f"alltoall: splits must be integers (rows to send to each rank), got "
+                                f"dtype {splits_t.dtype.name}: {splits!r}.")
+            if splits_t.shape.rank is not None and splits_t.shape.rank != 1:
+                raise ValueError(f"alltoall: splits must be 1-D (one row count per rank), got shape "
+                                 f"{splits_t.shape.as_list()}: {splits!r}.")
+            splits_t = tf.cast(splits_t, tf.int64)
     _check_xla("alltoall")
     size = _size(process_set)
-    if splits is None:
-        splits_t = tf.zeros([0], tf.int64)
-    else:
-        splits_t = tf.cast(tf.reshape(tf.convert_to_tensor(splits), [-1]), tf.int64)
 
     def body(x, s):
         given = None if s.size == 0 else [int(v) for v in s]
