@@ -293,6 +293,13 @@ def load_checkpoint(path: Union[str, os.PathLike], model: keras.Model, optimizer
     _assign(shared, state["variables"])
     if optimizer is not None and state["optimizer"] is not None:
         _assign(list(optimizer.variables), state["optimizer"])
+    elif state["optimizer"] is not None and process_set.rank() == 0:
+        import logging  # (an evaluation job may want the weights alone: not an error)
+
+        logging.getLogger("hvddp").warning(
+            "checkpoint %r holds optimizer state (%d variables, the step count among them), but this "
+            "model has no optimizer yet: only the model's variables were loaded. To resume training, "
+            "compile the model before load_checkpoint.", path, len(state["optimizer"]))
     if matched:
         if "local" in mine and not restore_local and process_set.rank() == 0:
             import logging  # (an evaluation job without local layers, or a model not compiled yet)
