@@ -65,8 +65,8 @@ def _bool(text: str) -> bool:
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
         return True
-    if lowered in ("0", "false", "no", "off", ""):
-        return False
+    if lowered in ("0", "false", "no", "off"):  # (not "": HVDDP_CMA= turned the default on off, while
+        return False                                # an empty number raised; unset it instead)
     raise ValueError("not a boolean")
 
 
@@ -74,7 +74,7 @@ _bool.expected = "one of 1/0/true/false/yes/no/on/off"  # type: ignore[attr-defi
 
 
 def _auto_bool(text: str) -> Optional[bool]:
-    return None if text.strip().lower() in ("auto", "") else _bool(text)
+    return None if text.strip().lower() == "auto" else _bool(text)
 
 
 _auto_bool.expected = "auto, or one of 1/0/true/false/yes/no/on/off"  # type: ignore[attr-defined]

@@ -18,15 +18,15 @@ BAD_VALUES = {
     "MPI_CHUNK_BYTES": ["100", "4M", "99999999999999999999"],
     "CYCLE_TIME": ["fast", "-1", "nan", "inf", "1e300", "10001"],
     "CACHE_CAPACITY": ["-5", "1.5", "1048577"],
-    "STALL_CHECK_DISABLE": ["maybe", "2"],
+    "STALL_CHECK_DISABLE": ["maybe", "2", ""],
     "STALL_CHECK_TIME_SECONDS": ["-1", "60s"],
     "STALL_SHUTDOWN_TIME_SECONDS": ["inf", "abc"],
     "TIMELINE_MARK_CYCLES": ["2"],
     "LOG_LEVEL": ["LOUD", "3"],
     "GPU_OPERATIONS": ["GLOO"],
-    "CMA": ["auto"],
+    "CMA": ["auto", ""],
     "CMA_THRESHOLD": ["1MB", "-2"],
-    "OVERLAP": ["sometimes", "2"],
+    "OVERLAP": ["sometimes", "2", ""],
 }
 # Checked separately (see test_bad_input.py): a value that parses but cannot be used.
 USED_AT_INIT = {"TIMELINE": "/proc/nonexistent-hvddp/timeline.json"}
