@@ -78,7 +78,7 @@ _HOROVODRUN_ONLY = {
     "--binding-args": "the launcher's own binding options, through --mpi-args",
     "--num-nccl-streams": "hvddp uses one NCCL stream per device",
     "--thread-affinity": "bind the ranks with the launcher (--mpi-args) or taskset",
-    "--elastic-timeout": _ELASTIC,
+    "--elastic-timeout": _ELASTIC, "--reset-limit": _ELASTIC, "--blacklist-cooldown-range": _ELASTIC,
     "--log-with-timestamp": _NO_TIMESTAMP, "--no-log-hide-timestamp": _NO_TIMESTAMP,
     "-prefix-timestamp": "the launcher's own option, e.g. --mpi-args=\"--timestamp-output\" (Open MPI)",
 }

@@ -92,6 +92,8 @@ def test_hosts_and_hostfile(tmp_path, hosts):
     (["-np", "2"], ["no command given"]),
     (["-np", "2", "--output-filename", "out"], ["--output-filename", "horovodrun options", "-outfile-pattern"]),
     (["-np", "2", "--gloo"], ["--gloo", "no Gloo controller"]),
+    (["-np", "2", "--reset-limit", "3"], ["--reset-limit", "fixed size"]),
+    (["-np", "2", "--blacklist-cooldown-range", "1", "5"], ["--blacklist-cooldown-range", "fixed size"]),
     (["-np", "2", "--cache-capacity", "-1"], ["--cache-capacity", "HVDDP_CACHE_CAPACITY"]),
     (["-np", "2", "--hostfile", "/nonexistent/hosts"], ["--hostfile '/nonexistent/hosts' cannot be read"]),
     (["-np", "2", "--num-nccl-streams", "2"], ["--num-nccl-streams", "one NCCL stream"]),
