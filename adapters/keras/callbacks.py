@@ -245,8 +245,8 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         new_lr = self.initial_lr * self.multiplier(epoch)
         self.model.optimizer.learning_rate = new_lr
         if self.verbose and hvddp.rank() == 0 and epoch == int(epoch):  # (once per epoch: at its start)
-            # at WARNING, as the warm-up's message: hvddp's logger shows INFO only with HVDDP_LOG_LEVEL
-            _log.warning("epoch %d: learning rate set to %g", int(epoch) + 1, new_lr)
+            # printed, as Keras' own verbose callbacks and Horovod's do (asked for: not a warning)
+            print(f"\nEpoch {int(epoch) + 1}: learning rate set to {new_lr:g}.", flush=True)
 
     def on_train_begin(self, logs=None):
         if self.initial_lr is None:
@@ -319,8 +319,8 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
             # once per k steps, so the warm-up's last call set the rate of batch S - k, not S - 1
             self._set_lr(self.warmup_epochs - 1.0 / self.steps_per_epoch)
         if epoch == last and self.warmup_verbose and hvddp.rank() == 0:
-            _log.warning("epoch %d: finished gradual learning rate warm-up to %g", epoch + 1,
-                         float(_backend.to_numpy(self.model.optimizer.learning_rate)))
+            print(f"\nEpoch {epoch + 1}: finished gradual learning rate warm-up to "
+                  f"{float(_backend.to_numpy(self.model.optimizer.learning_rate)):g}.", flush=True)
 
 
 _UNSET = object()  # (an argument not given)
