@@ -334,9 +334,12 @@ def _member_names(fn: str, base: Optional[str], names: Optional[Sequence[str]], 
     if names is not None:
         if isinstance(names, str) or len(names) != count:
             raise ValueError(f"{fn}: names must be a list of {count} strings (one per tensor), got {names!r}.")
-        names = [_check_name(n, fn) for n in names]
-        if any(n is None for n in names):
-            raise ValueError(f"{fn}: names must not contain None, got {names!r}.")
+        for i, n in enumerate(names):
+            if not isinstance(n, str) or not n:
+                raise TypeError(f"{fn}: names[{i}] must be a non-empty str, got {type(n).__name__} {n!r}.")
+        if len(set(names)) != len(names):
+            raise ValueError(f"{fn}: names must be distinct (one per tensor), got {list(names)!r}.")
+        names = list(names)
         return base or names[0], names
     base = base or _auto_name(kind, process_set)
     return base, [f"{base}.{i}" for i in range(count)]
@@ -355,7 +358,15 @@ def _allreduce(fn: str, tensors: Sequence[Any], average, name, op, prescale_fact
     if grouped:
         if not _is_list(tensors) and _is_list(names):
             names = names[:1]
-        base, names = _member_names(fn, name, names, _members(tensors), "grouped_allreduce", process_set)
+        try:
+            base, names = _member_names(fn, name, names, _members(tensors), "grouped_allreduce", process_set)
+        except (TypeError, ValueError):
+            # refused under the names that are usable, which ranks that made the call validly
+            # may wait on (the group fails whole there); None usable: nothing to announce
+            usable = list(dict.fromkeys(n for n in names if isinstance(n, str) and n)) \
+                if isinstance(names, (list, tuple)) else []
+            with _refusing(state, view, Kind.ALLREDUCE, usable):
+                raise
     else:
         names = [name or _auto_name("allreduce", process_set)]
     with _refusing(state, view, Kind.ALLREDUCE, names):

@@ -457,12 +457,31 @@ def test_groups_of_one_size_with_other_members_fail_and_free_every_name():
     if N == 1:
         pytest.skip("needs two ranks")
     with pytest.raises(hvddp.MismatchError, match=r"group differs across ranks: rank 0 a group of 2 \(id \w+\), "
-                       r"rank 1 a group of 2 \(id \w+\).*members differ"):
+                       r"rank 1 a group of 2 \(id \w+\).*other members"):
         hvddp.grouped_allreduce([np.ones(2), np.ones(3)], names=["mo.a", "mo.b" if R == 0 else "mo.c"])
     again = hvddp.grouped_allreduce([np.ones(2), np.ones(3), np.ones(4)], op=hvddp.Sum,
                                     names=["mo.a", "mo.b", "mo.c"])
     for out, n in zip(again, (2, 3, 4)):
         np.testing.assert_array_equal(out, np.full(n, N))
+
+
+@pytest.mark.parametrize("bad", ["count", "duplicate", "not_a_string"])
+def test_bad_member_names_on_one_rank_fail_every_rank(bad):
+    """grouped_allreduce's names= were checked before the call was announced: the rank that
+    passed bad ones raised, and the others waited for ever on their valid names."""
+    if N == 1:
+        pytest.skip("needs two ranks")
+    names = ["bn.a", "bn.b"]
+    if R == 0:
+        names = {"count": ["bn.a"], "duplicate": ["bn.a", "bn.a"], "not_a_string": ["bn.a", 5]}[bad]
+        with pytest.raises((TypeError, ValueError), match=r"grouped_allreduce: names"):
+            hvddp.grouped_allreduce([np.ones(2), np.ones(3)], names=names)
+    else:
+        with pytest.raises(hvddp.MismatchError, match=r"'bn.a' was refused on rank\(s\) \[0\] \(\w+Error: "
+                           r"grouped_allreduce: names"):
+            hvddp.grouped_allreduce([np.ones(2), np.ones(3)], names=names)
+    out = hvddp.grouped_allreduce([np.ones(2), np.ones(3)], op=hvddp.Sum, names=["bn.a", "bn.b"])
+    np.testing.assert_array_equal(out[1], np.full(3, N))
 
 
 def test_a_failed_group_runs_no_member():

@@ -559,6 +559,9 @@ def test_alltoall_splits_that_are_not_whole_numbers_are_refused_on_every_rank():
                 hvd.alltoall(x, splits=[2] * SIZE)
     out, received = hvd.alltoall(x, splits=np.full(SIZE, 2, np.int32))
     np.testing.assert_array_equal(received.numpy(), [2] * SIZE)
+    for empty in ([], np.array([], np.float64)):  # empty (float32 to TensorFlow): an even split
+        out, received = hvd.alltoall(x, splits=empty)
+        np.testing.assert_array_equal(received.numpy(), [2] * SIZE)
 
 
 def test_broadcast_variables_refusals_are_announced_and_name_the_variable():

@@ -332,13 +332,22 @@ def test_alltoall_splits_tensor_of_floats_is_refused_on_every_rank():
     """int() of each element truncated a float tensor's 1.9 to 1: a row silently unsent."""
     x = torch.ones(2 * N)
     if R == 0:
-        with pytest.raises(TypeError, match=r"alltoall: splits must be a 1-D tensor of ints"):
+        with pytest.raises(TypeError, match=r"alltoall: splits must be a 1-D tensor or array of ints"):
             hvd.alltoall(x, splits=torch.full((N,), 1.9))
     elif N > 1:
         with pytest.raises(hvd.MismatchError, match=r"refused on rank\(s\) \[0\]"):
             hvd.alltoall(x, splits=[2] * N)
     out, received = hvd.alltoall(x, splits=torch.full((N,), 2))
     assert received.tolist() == [2] * N
+    if R == 0:  # a 0-d array: was a bare "iteration over a 0-d array", unannounced
+        with pytest.raises(TypeError, match=r"alltoall: splits must be a 1-D tensor or array of ints"):
+            hvd.alltoall(x, splits=np.array(2))
+    elif N > 1:
+        with pytest.raises(hvd.MismatchError, match=r"refused on rank\(s\) \[0\]"):
+            hvd.alltoall(x, splits=np.full(N, 2))
+    for empty in ([], torch.tensor([]), np.array([], np.float64)):  # empty: an even split
+        out, received = hvd.alltoall(x, splits=empty)
+        assert received.tolist() == [2] * N
 
 
 def test_alltoall_grad():

@@ -192,6 +192,51 @@ def test_ranks_that_group_differently_fail_every_rank(other):
     assert_replicas_identical(model, f"regrouped.{other}")
 
 
+@pytest.mark.parametrize("grouped_rank", [0, 1])
+def test_ranks_that_group_a_sparse_gradient_differently_fail_every_rank(grouped_rank):
+    """A sparse embedding grouped on one rank only: that rank sent it dense in its group, the
+    others as a sparse allgather; the kind mismatch made the ungrouped ranks resubmit it sparse
+    (the retry for a rank without the gradient) and wait for ever on a rank that never did."""
+    if N == 1:
+        pytest.skip("needs more than one rank")
+    torch.manual_seed(0)
+    emb, lin = torch.nn.Embedding(6, 2, sparse=True), torch.nn.Linear(2, 1)
+    named = [("emb.weight", emb.weight), ("lin.weight", lin.weight), ("lin.bias", lin.bias)]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=1.0), named_parameters=named,
+                                   groups=[[emb.weight, lin.weight]] if R == grouped_rank else None)
+    lin(emb(torch.tensor([1, 2]))).sum().backward()
+    with pytest.raises(hvd.MismatchError, match=r"group differs|\(in a group\)"):
+        opt.step()
+    np.testing.assert_allclose(hvd.allreduce(torch.ones(1), name=f"after.sparse.groups.{grouped_rank}").numpy(), [1.0])
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+@pytest.mark.parametrize("op,predivide", [(hvd.Average, 1.0), (hvd.Average, 4.0), (hvd.Sum, 1.0)])
+def test_compressed_cpu_gradients_are_what_the_compressed_allreduce_gives(name, op, predivide):
+    """float32 CPU gradients under fp16/bf16 compression are rounded and summed in float32 by
+    torch (4x faster than the core's numpy casts of 16-bit tensors): bit for bit what
+    hvd.allreduce(compression=...) of each gradient gives, through MPI (small) and the single-copy
+    path (large), grouped or not."""
+    compression = getattr(hvd.Compression, name)
+    torch.manual_seed(R)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.Linear(300, 3))  # 360 KB, 3.6 KB, ...
+    for groups in (None, 2):
+        grads = [torch.randn_like(p) * 10 for p in model.parameters()]
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g.clone()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=op,
+                                       named_parameters=model.named_parameters(), compression=compression,
+                                       gradient_predivide_factor=predivide, groups=groups)
+        opt.synchronize()
+        post = predivide if op is hvd.Average else 1.0
+        for i, (p, g) in enumerate(zip(model.parameters(), grads)):
+            want = hvd.allreduce(g, op=op, compression=compression, prescale_factor=1.0 / predivide,
+                                 postscale_factor=post, name=f"want.{name}.{groups}.{i}")
+            assert p.grad.dtype == torch.float32 and torch.equal(p.grad, want), (name, groups, i)
+        with opt.skip_synchronize():
+            opt.step()
+
+
 @pytest.mark.parametrize("name,dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
 def test_parity_compression(name, dtype):
     """The reference rounds each shard's gradient to 16 bits, averages in float32 and rounds the

@@ -542,6 +542,8 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None, ignore
             splits_t = tf.zeros([0], tf.int64)
         else:  # (a cast would truncate 1.9 to 1 and leave rows unsent; Horovod's op takes int32)
             splits_t = tf.convert_to_tensor(splits)
+            if splits_t.shape.num_elements() == 0 and splits_t.shape.rank == 1:
+                splits_t = tf.zeros([0], splits_t.dtype if splits_t.dtype.is_integer else tf.int64)  # even
             if not splits_t.dtype.is_integer:
                 raise TypeError(f"alltoall: splits must be integers (rows to send to each rank), got "
                                 f"dtype {splits_t.dtype.name}: {splits!r}.")

@@ -507,16 +507,22 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
 def _splits_list(splits: Any) -> Optional[List[int]]:
     if splits is None:
         return None
-    if isinstance(splits, torch.Tensor):  # (int() would truncate 1.9 to 1 and leave rows unsent)
-        if splits.dtype.is_floating_point or splits.dtype.is_complex or splits.dtype == torch.bool \
-                or splits.dim() != 1:
-            raise TensorArgumentError(f"alltoall: splits must be a 1-D tensor of ints (rows to send to each "
-                                      f"rank); got {splits.dtype} of shape {list(splits.shape)}: {splits!r}.")
-        return splits.tolist()
-    if not isinstance(splits, Sequence) and not isinstance(splits, np.ndarray):
+    if isinstance(splits, (torch.Tensor, np.ndarray)):  # (int() would truncate 1.9 to 1: rows unsent)
+        if splits.ndim != 1 or splits.shape[0] and not _integer_dtype(splits.dtype):
+            raise TensorArgumentError(f"alltoall: splits must be a 1-D tensor or array of ints (rows to send "
+                                      f"to each rank); got {splits.dtype} of shape {list(splits.shape)}: "
+                                      f"{splits!r}.")
+        return [int(s) for s in splits.tolist()]  # (empty: an even split)
+    if not isinstance(splits, Sequence):
         raise TensorArgumentError(f"alltoall: splits must be a list, tuple, array or tensor of ints (rows to send "
                         f"to each rank), or None; got {type(splits).__name__} {splits!r}.")
     return list(splits)
+
+
+def _integer_dtype(dtype: Any) -> bool:
+    if isinstance(dtype, torch.dtype):
+        return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+    return np.dtype(dtype).kind in "iu"
 
 
 @_announced(hvddp.alltoall_async)

@@ -263,8 +263,8 @@ class Coordinator:
                             + "; on ".join(f"rank(s) {ranks} ({why})" for why, ranks in refused.items())
                             + ", which raised at once; no rank runs it. Fix the call on those ranks.",
                             first)
-        kinds = {r: q.kind.value for r, q in requests}
-        if len(set(kinds.values())) > 1:
+        kinds = {r: q.kind.value + (" (in a group)" if q.group is not None else "") for r, q in requests}
+        if len({q.kind for _, q in requests}) > 1:
             return Response(first.kind, key[0], key[1],
                             f"{key[1]!r} {KIND_MISMATCH}: "
                             + ", ".join(f"rank {r} {k}" for r, k in kinds.items())
@@ -277,7 +277,8 @@ class Coordinator:
             elif field == "group" and len(set(values.values())) == 1 and len({q.group for _, q in requests}) > 1:
                 # groups of one size with other members (whose names differ): the ids tell them apart
                 values = {r: f"{v} (id {q.group[0]})" for (r, q), v in zip(requests, values.values())}
-                hint = " (groups of one size whose members differ: group the same tensors on every rank)"
+                hint = (" (groups of one size with other members, or the same ones in another order: "
+                        "group the same tensors in the same order on every rank)")
             if len(set(values.values())) > 1:
                 shown = ", ".join(f"rank {r} {v}" for r, v in values.items())
                 return Response(first.kind, key[0], key[1],
