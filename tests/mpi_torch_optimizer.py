@@ -235,6 +235,19 @@ def test_compressed_cpu_gradients_are_what_the_compressed_allreduce_gives(name, 
             assert p.grad.dtype == torch.float32 and torch.equal(p.grad, want), (name, groups, i)
         with opt.skip_synchronize():
             opt.step()
+    # a sparse gradient in a group goes dense and comes back sparse, compressed the usual way
+    emb = torch.nn.Embedding(6, 2, sparse=True)
+    emb(torch.tensor([R % 6, 5])).sum().mul(1.37).backward()
+    dense = emb.weight.grad.to_dense()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), op=op, groups=1,
+                                   named_parameters=[("emb", emb.weight)], compression=compression,
+                                   gradient_predivide_factor=predivide)
+    opt.synchronize()
+    want = hvd.allreduce(dense, op=op, compression=compression, prescale_factor=1.0 / predivide,
+                         postscale_factor=predivide if op is hvd.Average else 1.0, name=f"want.{name}.emb")
+    assert emb.weight.grad.layout == torch.sparse_coo and torch.equal(emb.weight.grad.to_dense(), want)
+    with opt.skip_synchronize():
+        opt.step()
 
 
 @pytest.mark.parametrize("name,dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])

@@ -348,8 +348,8 @@ class _DistributedOptimizer(WrapperCommon):
                 grad = p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
             if grad.layout != torch.strided:
                 grad = grad.to_dense()
-            if (compression in _ROUNDING and grad.dtype == torch.float32 and grad.device.type == "cpu"
-                    and grad.is_contiguous()):
+            if (compression in _ROUNDING and grad is p.grad and grad.dtype == torch.float32
+                    and grad.device.type == "cpu" and grad.is_contiguous()):  # (not a sparse one made dense)
                 # The same numbers for less work on the CPU: MPI reduces no 16-bit floats, so the
                 # core would widen them to float32, sum and round once; torch rounds here (and
                 # after the sum, at finish) much faster than the core's numpy casts, and the
