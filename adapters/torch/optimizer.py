@@ -151,12 +151,11 @@ class _Flight:
             if sparse:
                 p.grad = out
                 continue
-            if type(ctx) is _Rounded:  # reduced in float32 in place: rounded once, as the core would
+            if type(ctx) is _Rounded:  # reduced in float32: rounded once, as the core would
                 out.copy_(out.to(ctx.target))
-                continue
             if out is p.grad:  # reduced in place, zero-copy
                 continue
-            value = compression.decompress(out, ctx)
+            value = out if type(ctx) is _Rounded else compression.decompress(out, ctx)
             if p.grad is not None and p.grad.layout == torch.sparse_coo and p.grad.shape == value.shape:
                 # reduced dense (sparse_as_dense, or in a group): sparse again for the update, as in
                 # Horovod, so that optimizers that take only sparse gradients (SparseAdam) still work
@@ -348,14 +347,15 @@ class _DistributedOptimizer(WrapperCommon):
                 grad = p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
             if grad.layout != torch.strided:
                 grad = grad.to_dense()
-            if (compression in _ROUNDING and grad is p.grad and grad.dtype == torch.float32
-                    and grad.device.type == "cpu" and grad.is_contiguous()):  # (not a sparse one made dense)
+            if compression in _ROUNDING and grad.dtype == torch.float32 and grad.device.type == "cpu":
                 # The same numbers for less work on the CPU: MPI reduces no 16-bit floats, so the
                 # core would widen them to float32, sum and round once; torch rounds here (and
                 # after the sum, at finish) much faster than the core's numpy casts, and the
-                # gradient is reduced in its own memory.
-                grad.copy_(grad.to(compression.target))
-                sent, ctx = grad, _Rounded(compression.target)
+                # gradient is reduced in its own memory when contiguous. (Decided from what every
+                # rank shares, the parameter's dtype and device: the wire dtype must agree.)
+                sent = grad.contiguous()
+                sent.copy_(sent.to(compression.target))
+                ctx = _Rounded(compression.target)
             else:
                 sent, ctx = compression.compress(grad)
             dense.append((p, sent, ctx, False))
