@@ -120,7 +120,7 @@ def broadcast_(variables: Iterable[Any], root_rank: int, name: Optional[str] = N
 
 
 _CHECK = "tf.bcast.check"  # the name of broadcast_variables' first exchange (an allgather_object)
-_BROADCASTABLE = frozenset(hvddp.ops.SUPPORTED_DTYPES) | {"uint16", "uint32", "uint64"}  # (as bits)
+_BROADCASTABLE = frozenset(hvddp.ops.SUPPORTED_DTYPES) | frozenset(_grouping._SIGNED)  # (those as bits)
 
 
 def _dtype_name(variable: Any) -> str:
