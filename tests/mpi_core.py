@@ -465,6 +465,47 @@ def test_groups_of_one_size_with_other_members_fail_and_free_every_name():
         np.testing.assert_array_equal(out, np.full(n, N))
 
 
+def test_a_member_sent_alone_after_its_group_failed_fails_too():
+    """Rank 0 groups a with b; the others send a alone, which fails the group, then b alone.
+    The failed group answered only the ranks that had sent b, so the late b waited for a rank 0
+    that would not send it again; now it fails, naming the group's failure."""
+    if N == 1:
+        pytest.skip("needs two ranks")
+    if R == 0:
+        with pytest.raises(hvddp.MismatchError, match=r"'la\.a': group differs across ranks: rank 0 a group of 2"):
+            hvddp.grouped_allreduce([np.ones(2), np.ones(3)], names=["la.a", "la.b"])
+    else:
+        with pytest.raises(hvddp.MismatchError, match="group differs"):
+            hvddp.allreduce(np.ones(2), name="la.a")
+        with pytest.raises(hvddp.MismatchError, match=rf"'la\.b': rank\(s\) \[.*{R}.*\] submitted it not grouped after the "
+                           r"other ranks had failed it with the rest of their group \(id \w+\), which failed "
+                           r"with: .*'la\.a': group differs"):
+            hvddp.allreduce(np.ones(3), name="la.b")
+    # (a b that rank 0 sent again before the late one came would meet it as usual)
+    hvddp.barrier()
+    # the names are free: the same names ungrouped, then grouped, run
+    np.testing.assert_array_equal(hvddp.allreduce(np.ones(3), op=hvddp.Sum, name="la.b"), np.full(3, N))
+    for out, n in zip(hvddp.grouped_allreduce([np.ones(2), np.ones(3)], op=hvddp.Sum, names=["la.a", "la.b"]), (2, 3)):
+        np.testing.assert_array_equal(out, np.full(n, N))
+
+
+def test_a_retry_grouped_as_the_failed_group_waits_for_its_peers():
+    """The ranks that had not sent a failed group's member yet owe it; what they send under its
+    name next fails at once unless grouped as the failed group was, which is a retry: rank 1
+    raised on a alone (rank 0 had grouped it with b), skips b, and all retry the group."""
+    if N == 1:
+        pytest.skip("needs two ranks")
+    with pytest.raises(hvddp.MismatchError, match="group differs"):
+        if R == 0:
+            hvddp.grouped_allreduce([np.ones(2), np.ones(3)], names=["lr.a", "lr.b"])
+        else:
+            hvddp.allreduce(np.ones(2), name="lr.a")
+    if R == 0:
+        time.sleep(0.3)  # the others' retry of b comes first, while rank 0 has not sent b again
+    for out, n in zip(hvddp.grouped_allreduce([np.ones(2), np.ones(3)], op=hvddp.Sum, names=["lr.a", "lr.b"]), (2, 3)):
+        np.testing.assert_array_equal(out, np.full(n, N))
+
+
 @pytest.mark.parametrize("bad", ["count", "duplicate", "not_a_string"])
 def test_bad_member_names_on_one_rank_fail_every_rank(bad):
     """grouped_allreduce's names= were checked before the call was announced: the rank that

@@ -6,6 +6,8 @@ bit-identical.
 """
 
 import copy
+import gc
+import time
 
 import numpy as np
 import pytest
@@ -186,6 +188,37 @@ def test_ranks_that_group_differently_fail_every_rank():
     model(torch.randn(4, 6)).sum().backward()
     opt.step()
     assert_replicas_identical(model, "regrouped")
+
+
+@pytest.mark.parametrize("grouper", [0, -1])
+def test_a_rank_that_groups_while_the_others_do_not_fails_every_rank(grouper):
+    """One rank groups the first and last layers' weights, the others reduce each on its own as
+    their hooks fire: the last layer's weight, sent first, fails the group; the first layer's,
+    sent later in the backward pass, waited for ever (the grouping rank would not send it again).
+    Now every rank raises, whatever the timing: the others' backward pass is slowed between the
+    two layers (so the late member comes after the failure), or not."""
+    if N == 1:
+        pytest.skip("needs more than one rank")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 2))
+    for slowed in (True, False):
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(),
+                                       groups=[[model[0].weight, model[1].weight]] if R == grouper % N else None)
+        hidden = model[0](torch.randn(4, 6))
+        if slowed and R != grouper % N:
+            hidden.register_hook(lambda g: time.sleep(0.3))
+        model[1](hidden).sum().backward()
+        with pytest.raises(hvd.HvddpError, match=r"group differs across ranks|after the other ranks had failed it"):
+            opt.step()
+        opt.zero_grad()
+        del opt
+        gc.collect()  # (the failed step's traceback holds the old wrapper)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    model(torch.randn(4, 6)).sum().backward()
+    opt.step()
+    assert_replicas_identical(model, f"ungrouped.{grouper}")
 
 
 @pytest.mark.parametrize("name", ["fp16", "bf16"])

@@ -35,6 +35,14 @@ class Decision(NamedTuple):
     fatal: Optional[str]
 
 
+class _Owed(NamedTuple):
+    """A member of a failed group that some ranks had not submitted yet (see ``_fail_rest_of_groups``)."""
+
+    group: str  # the failed group's id
+    ranks: set  # the ranks that still owe it
+    error: str  # what failed the group
+
+
 class _Waiting:
     __slots__ = ("requests", "first_seen", "warned")
 
@@ -88,6 +96,9 @@ class Coordinator:
         self.joined: List[int] = []  # in order of joining
         self._evict: List[tuple] = []
         self._fatal: Optional[str] = None
+        # members of failed groups that some ranks still owe, and the late submissions that met one
+        self._owed: Dict[tuple, _Owed] = {}
+        self._late: Dict[tuple, tuple] = {}  # key -> (its _Owed, {late rank: its request})
 
     # ------------------------------------------------------------------------------------
     def ingest(self, rank: int, requests: Sequence[Request], now: float) -> None:
@@ -107,6 +118,31 @@ class Coordinator:
             waiting.requests[rank] = request
             if self.timeline:
                 self.timeline.negotiate_rank_ready(key, rank)
+            owed = self._owed.get(key)
+            if owed is not None and rank in owed.ranks:
+                self._settle(key, rank, request, owed)
+
+    def _settle(self, key: tuple, rank: int, request: Request, owed: _Owed) -> None:
+        """``rank``, which sends without grouping, submits a name that the others failed with
+        the rest of their group before it came. Not grouped, it is the late member of that
+        attempt (the others will not send it again for it), which ``decide`` fails unless
+        another rank has sent the name again by then; grouped, it is a retry and waits for its
+        peers as usual."""
+        owed.ranks.discard(rank)
+        if not owed.ranks:
+            del self._owed[key]
+        if request.group is None:
+            self._late.setdefault(key, (owed, {}))[1][rank] = request
+
+    def _late_error(self, key: tuple, waiting: _Waiting) -> Optional[str]:
+        """The error for the late members of a failed group waiting under ``key``, if only late
+        ranks sent it (a rank that sent it again since meets them as usual)."""
+        owed, late = self._late.pop(key)
+        if any(r not in late for r in waiting.requests):
+            return None
+        return (f"{next(iter(late.values())).kind.value} {key[1]!r}: rank(s) {sorted(late)} submitted it not grouped "
+                f"after the other ranks had failed it with the rest of their group (id {owed.group}), which "
+                f"failed with: {owed.error}")
 
     def forget_process_set(self, ps_id: int) -> None:
         """Drop the names waiting on a removed set: every rank has failed its own entries for them."""
@@ -114,6 +150,10 @@ class Coordinator:
             del self.table[key]
             if self.timeline:
                 self.timeline.negotiate_end(key)
+        for key in [k for k in self._owed if k[0] == ps_id]:
+            del self._owed[key]
+        for key in [k for k in self._late if k[0] == ps_id]:
+            del self._late[key]
 
     def wants_round(self) -> bool:
         """True when rank 0 has something to announce (a fatal stall) though no rank sent anything."""
@@ -169,6 +209,11 @@ class Coordinator:
                                f"set (id {key[0]}) was removed before every member submitted it.")
                 ready.append(key)
                 continue
+            late = self._late_error(key, waiting) if key in self._late else None
+            if late is not None:
+                errors[key] = late
+                ready.append(key)
+                continue
             members = ps.ranks
             submitted = waiting.requests
             if any(r not in submitted and r not in joined for r in members):
@@ -185,6 +230,7 @@ class Coordinator:
         ready = self._complete_groups(ready, errors)
         responses: List[Response] = []
         failed_groups: Dict[str, str] = {}  # group id -> the error that failed one of its members
+        ungrouped: Dict[str, set] = {}  # group id -> the ranks that sent a member of it not grouped
         for key in ready:
             waiting = self.table.pop(key)
             if key in errors:
@@ -193,9 +239,11 @@ class Coordinator:
             else:
                 responses.append(self._response(key, waiting))
             if responses[-1].error is not None:
+                alone = {r for r, q in waiting.requests.items() if q.group is None}
                 for request in waiting.requests.values():
                     if request.group is not None:
                         failed_groups.setdefault(request.group[0], responses[-1].error)
+                        ungrouped.setdefault(request.group[0], set()).update(alone)
             if self.timeline:
                 self.timeline.negotiate_end(key)
         if failed_groups:  # a group is atomic: no member runs when one fails
@@ -203,7 +251,7 @@ class Coordinator:
                 group = response.request.group if response.request is not None else None
                 if response.error is None and group is not None and group[0] in failed_groups:
                     responses[i] = response._replace(error=failed_groups[group[0]])
-            responses += self._fail_rest_of_groups(failed_groups)
+            responses += self._fail_rest_of_groups(failed_groups, ungrouped)
         if len(self.joined) == self.world_size:
             responses.append(Response(Kind.JOIN, JOIN_KEY[0], JOIN_KEY[1],
                                       request=Request(Kind.JOIN, 0, JOIN_KEY[1], "", ()),
@@ -212,10 +260,11 @@ class Coordinator:
         evict, self._evict = self._evict, []
         return Decision(responses, evict, bool(self.joined), self._fatal)
 
-    def _fail_rest_of_groups(self, failed_groups: Dict[str, str]) -> List[Response]:
+    def _fail_rest_of_groups(self, failed_groups: Dict[str, str], ungrouped: Dict[str, set]) -> List[Response]:
         """Error responses for the members of failed groups that some ranks never submitted
         (ranks whose groups differ in size): they would otherwise stay pending there forever,
-        holding their names, and show up as stalls."""
+        holding their names, and show up as stalls. A rank that sent a member not grouped and
+        has not sent this one yet owes it (see ``_settle``)."""
         responses = []
         for key, waiting in list(self.table.items()):
             gid = next((q.group[0] for q in waiting.requests.values()
@@ -223,6 +272,9 @@ class Coordinator:
             if gid is None:
                 continue
             del self.table[key]
+            owing = {r for r in ungrouped.get(gid, ()) if r not in waiting.requests}
+            if owing:
+                self._owed[key] = _Owed(gid, owing, failed_groups[gid])
             request = next(iter(waiting.requests.values()))
             responses.append(Response(request.kind, key[0], key[1], failed_groups[gid], request))
             if self.timeline:
