@@ -14,10 +14,10 @@ from __future__ import annotations
 import hashlib
 import numbers
 import pickle
+import sys
 import time
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-import ml_dtypes
 import numpy as np
 
 from .backends import device as _device  # protocol checks only; imports no CuPy
@@ -52,7 +52,21 @@ SUPPORTED_DTYPES = ("uint8", "int8", "int16", "int32", "int64", "float16", "bflo
 # dtype -> name; numpy's dtype.name is slow enough to matter on the submission path.
 ADASUM_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _DTYPE_NAMES = {np.dtype(n): n for n in SUPPORTED_DTYPES if n != "bfloat16"}
-_DTYPE_NAMES[np.dtype(ml_dtypes.bfloat16)] = "bfloat16"
+
+
+def _learn_bfloat16(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` is ml_dtypes' bfloat16, which then joins ``_DTYPE_NAMES``. Not imported
+    up front: importing ml_dtypes takes 0.7 s here (most of ``import hvddp``), and an array of its
+    bfloat16 exists only once something has imported it."""
+    if dtype.name != "bfloat16" or "ml_dtypes" not in sys.modules:
+        return False
+    import ml_dtypes
+
+    if dtype != ml_dtypes.bfloat16:
+        return False
+    _DTYPE_NAMES[dtype] = "bfloat16"
+    return True
+
 
 def _auto_name(kind: str, process_set: ProcessSet) -> str:
     """The next name for an unnamed call of ``kind`` on ``process_set``, counted per set (and
@@ -123,7 +137,7 @@ def _array(tensor: Any, fn: str, arg: str = "tensor") -> np.ndarray:
     else:
         raise TypeError(f"{fn}: {arg} must be a numpy array, got {type(tensor).__name__}. For torch "
                         f"or Keras tensors use hvddp.torch / hvddp.keras; convert lists with np.asarray.")
-    if array.dtype not in _DTYPE_NAMES:
+    if array.dtype not in _DTYPE_NAMES and not _learn_bfloat16(array.dtype):
         if not array.dtype.isnative and array.dtype.newbyteorder("=") in _DTYPE_NAMES:
             raise TypeError(f"{fn}: {arg} has dtype {array.dtype.str}, {array.dtype.name} in non-native "
                             f"byte order, which hvddp does not reduce or send; convert it first with "
