@@ -102,8 +102,9 @@ def run_pytest(np_: int, test_file: str, timeout: float = 240, env: Optional[Dic
                extra: Sequence[str] = ()) -> subprocess.CompletedProcess:
     """Run a pytest module on every rank at once (its tests are collectives)."""
     # (--color=no: Open MPI's mpiexec hands the ranks a terminal, and colour codes would split
-    # the summary lines the tests read)
-    return run(np_, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-header", "--color=no",
+    # the summary lines the tests read; no:hypothesispytest: the plugin imports hypothesis, 0.9 s
+    # per rank here, which the one rank-side module that uses it imports itself)
+    return run(np_, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", "--no-header", "--color=no",
                      "-o", "addopts=", test_file, *extra], timeout=timeout, env=env)
 
 
