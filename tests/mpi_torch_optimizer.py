@@ -209,7 +209,7 @@ def test_a_rank_that_groups_while_the_others_do_not_fails_every_rank(grouper):
         if slowed and R != grouper % N:
             hidden.register_hook(lambda g: time.sleep(0.3))
         model[1](hidden).sum().backward()
-        with pytest.raises(hvd.HvddpError, match=r"group differs across ranks|after the other ranks had failed it"):
+        with pytest.raises(hvd.HvddpError, match=r"group differs across ranks|sent it on its own after"):
             opt.step()
         opt.zero_grad()
         del opt

@@ -35,12 +35,17 @@ class Decision(NamedTuple):
     fatal: Optional[str]
 
 
-class _Owed(NamedTuple):
-    """A member of a failed group that some ranks had not submitted yet (see ``_fail_rest_of_groups``)."""
+class _FailedGroup:
+    """A group that failed while some ranks that send without grouping had not sent all its
+    members yet: those members they owe (see ``Coordinator._owed_send``)."""
 
-    group: str  # the failed group's id
-    ranks: set  # the ranks that still owe it
-    error: str  # what failed the group
+    __slots__ = ("members", "groupers", "error", "owed")
+
+    def __init__(self, members: List[str], groupers: List[int], error: str, owed: Dict[int, set]) -> None:
+        self.members = members  # its members' names
+        self.groupers = groupers  # the ranks that sent it as a group
+        self.error = error  # what failed it
+        self.owed = owed  # rank -> the keys of the members it has not sent yet
 
 
 class _Waiting:
@@ -96,9 +101,11 @@ class Coordinator:
         self.joined: List[int] = []  # in order of joining
         self._evict: List[tuple] = []
         self._fatal: Optional[str] = None
-        # members of failed groups that some ranks still owe, and the late submissions that met one
-        self._owed: Dict[tuple, _Owed] = {}
-        self._late: Dict[tuple, tuple] = {}  # key -> (its _Owed, {late rank: its request})
+        # failed groups whose members some ranks still owe (by group id), the failed group of each
+        # member key, and the late members sent since, failed in the next decide()
+        self._failed: Dict[str, _FailedGroup] = {}
+        self._member_of: Dict[tuple, str] = {}
+        self._late: Dict[tuple, tuple] = {}  # key -> (its _FailedGroup, [late ranks])
 
     # ------------------------------------------------------------------------------------
     def ingest(self, rank: int, requests: Sequence[Request], now: float) -> None:
@@ -118,31 +125,51 @@ class Coordinator:
             waiting.requests[rank] = request
             if self.timeline:
                 self.timeline.negotiate_rank_ready(key, rank)
-            owed = self._owed.get(key)
-            if owed is not None and rank in owed.ranks:
-                self._settle(key, rank, request, owed)
+            if self._failed:
+                self._owed_send(rank, key, request)
 
-    def _settle(self, key: tuple, rank: int, request: Request, owed: _Owed) -> None:
-        """``rank``, which sends without grouping, submits a name that the others failed with
-        the rest of their group before it came. Not grouped, it is the late member of that
-        attempt (the others will not send it again for it), which ``decide`` fails unless
-        another rank has sent the name again by then; grouped, it is a retry and waits for its
-        peers as usual."""
-        owed.ranks.discard(rank)
-        if not owed.ranks:
-            del self._owed[key]
-        if request.group is None:
-            self._late.setdefault(key, (owed, {}))[1][rank] = request
+    def _owed_send(self, rank: int, key: tuple, request: Request) -> None:
+        """Settle what ``rank`` owes to failed groups, now that it sends ``key``.
+
+        A rank that sends without grouping and had not sent every member of a group that failed
+        (its first member met the others' group) sends the rest late, as its hooks fire: the
+        others will not send them again for that attempt, so a late member sent not grouped is
+        failed in the next ``decide`` (unless another rank has sent the name again by then).
+        The rank has moved on to a new attempt, and owes nothing more, once it sends a member
+        grouped, sends a member it had sent before the failure, or sends a barrier or join."""
+        if request.kind in (Kind.BARRIER, Kind.JOIN):
+            for gid in [g for g, f in self._failed.items() if rank in f.owed]:
+                self._forgive(gid, rank)
+            return
+        gid = self._member_of.get(key)
+        failed = self._failed.get(gid) if gid is not None else None
+        if failed is None or rank not in failed.owed:
+            return
+        if key in failed.owed[rank] and request.group is None:
+            failed.owed[rank].discard(key)
+            self._late.setdefault(key, (failed, []))[1].append(rank)
+            if failed.owed[rank]:
+                return
+        self._forgive(gid, rank)
+
+    def _forgive(self, gid: str, rank: int) -> None:
+        failed = self._failed[gid]
+        del failed.owed[rank]
+        if not failed.owed:
+            del self._failed[gid]
+            for key in [k for k, g in self._member_of.items() if g == gid]:
+                del self._member_of[key]
 
     def _late_error(self, key: tuple, waiting: _Waiting) -> Optional[str]:
         """The error for the late members of a failed group waiting under ``key``, if only late
         ranks sent it (a rank that sent it again since meets them as usual)."""
-        owed, late = self._late.pop(key)
+        failed, late = self._late.pop(key)
         if any(r not in late for r in waiting.requests):
             return None
-        return (f"{next(iter(late.values())).kind.value} {key[1]!r}: rank(s) {sorted(late)} submitted it not grouped "
-                f"after the other ranks had failed it with the rest of their group (id {owed.group}), which "
-                f"failed with: {owed.error}")
+        kind = next(iter(waiting.requests.values())).kind.value
+        return (f"{kind} {key[1]!r}: rank(s) {sorted(late)} sent it on its own after rank(s) {failed.groupers}, "
+                f"which grouped it with {[n for n in failed.members if n != key[1]]}, had failed that group: "
+                f"{failed.error} Group the same tensors on every rank, or none.")
 
     def forget_process_set(self, ps_id: int) -> None:
         """Drop the names waiting on a removed set: every rank has failed its own entries for them."""
@@ -150,10 +177,10 @@ class Coordinator:
             del self.table[key]
             if self.timeline:
                 self.timeline.negotiate_end(key)
-        for key in [k for k in self._owed if k[0] == ps_id]:
-            del self._owed[key]
         for key in [k for k in self._late if k[0] == ps_id]:
             del self._late[key]
+        for key in [k for k in self._member_of if k[0] == ps_id]:
+            self._failed.pop(self._member_of.pop(key), None)
 
     def wants_round(self) -> bool:
         """True when rank 0 has something to announce (a fatal stall) though no rank sent anything."""
@@ -230,7 +257,8 @@ class Coordinator:
         ready = self._complete_groups(ready, errors)
         responses: List[Response] = []
         failed_groups: Dict[str, str] = {}  # group id -> the error that failed one of its members
-        ungrouped: Dict[str, set] = {}  # group id -> the ranks that sent a member of it not grouped
+        # group id -> (its members' keys and who sent them, the ranks that sent one not grouped)
+        seen: Dict[str, tuple] = {}
         for key in ready:
             waiting = self.table.pop(key)
             if key in errors:
@@ -239,11 +267,10 @@ class Coordinator:
             else:
                 responses.append(self._response(key, waiting))
             if responses[-1].error is not None:
-                alone = {r for r, q in waiting.requests.items() if q.group is None}
                 for request in waiting.requests.values():
                     if request.group is not None:
                         failed_groups.setdefault(request.group[0], responses[-1].error)
-                        ungrouped.setdefault(request.group[0], set()).update(alone)
+                        self._note_failed_member(seen, request.group[0], key, waiting)
             if self.timeline:
                 self.timeline.negotiate_end(key)
         if failed_groups:  # a group is atomic: no member runs when one fails
@@ -251,7 +278,8 @@ class Coordinator:
                 group = response.request.group if response.request is not None else None
                 if response.error is None and group is not None and group[0] in failed_groups:
                     responses[i] = response._replace(error=failed_groups[group[0]])
-            responses += self._fail_rest_of_groups(failed_groups, ungrouped)
+            responses += self._fail_rest_of_groups(failed_groups, seen)
+            self._owe(failed_groups, seen)
         if len(self.joined) == self.world_size:
             responses.append(Response(Kind.JOIN, JOIN_KEY[0], JOIN_KEY[1],
                                       request=Request(Kind.JOIN, 0, JOIN_KEY[1], "", ()),
@@ -260,11 +288,10 @@ class Coordinator:
         evict, self._evict = self._evict, []
         return Decision(responses, evict, bool(self.joined), self._fatal)
 
-    def _fail_rest_of_groups(self, failed_groups: Dict[str, str], ungrouped: Dict[str, set]) -> List[Response]:
+    def _fail_rest_of_groups(self, failed_groups: Dict[str, str], seen: Dict[str, tuple]) -> List[Response]:
         """Error responses for the members of failed groups that some ranks never submitted
         (ranks whose groups differ in size): they would otherwise stay pending there forever,
-        holding their names, and show up as stalls. A rank that sent a member not grouped and
-        has not sent this one yet owes it (see ``_settle``)."""
+        holding their names, and show up as stalls."""
         responses = []
         for key, waiting in list(self.table.items()):
             gid = next((q.group[0] for q in waiting.requests.values()
@@ -272,14 +299,32 @@ class Coordinator:
             if gid is None:
                 continue
             del self.table[key]
-            owing = {r for r in ungrouped.get(gid, ()) if r not in waiting.requests}
-            if owing:
-                self._owed[key] = _Owed(gid, owing, failed_groups[gid])
+            self._note_failed_member(seen, gid, key, waiting)
             request = next(iter(waiting.requests.values()))
             responses.append(Response(request.kind, key[0], key[1], failed_groups[gid], request))
             if self.timeline:
                 self.timeline.negotiate_end(key)
         return responses
+
+    @staticmethod
+    def _note_failed_member(seen: Dict[str, tuple], gid: str, key: tuple, waiting: _Waiting) -> None:
+        members, alone = seen.setdefault(gid, ({}, set()))
+        if key not in members:
+            members[key] = set(waiting.requests)
+            alone.update(r for r, q in waiting.requests.items() if q.group is None)
+
+    def _owe(self, failed_groups: Dict[str, str], seen: Dict[str, tuple]) -> None:
+        """Record the members of this round's failed groups that ranks sending without grouping
+        have not sent yet: they owe them (``_owed_send``)."""
+        for gid, (members, alone) in seen.items():
+            owed = {r: {k for k, senders in members.items() if r not in senders} for r in alone}
+            owed = {r: keys for r, keys in owed.items() if keys}
+            if not owed:
+                continue
+            groupers = sorted(set().union(*members.values()) - alone)
+            self._failed[gid] = _FailedGroup([k[1] for k in members], groupers, failed_groups[gid], owed)
+            for key in members:
+                self._member_of[key] = gid
 
     def _complete_groups(self, ready: List[tuple], errors) -> List[tuple]:
         counts: Dict[str, int] = {}
