@@ -92,7 +92,10 @@ def _choice(*choices: str) -> Callable[[str], str]:
 
 
 def _text(text: str) -> str:
-    return text
+    value = text.strip()  # ("DYNAMIC " was opened as a file of that name)
+    if not value:  # (an empty value was taken as unset, where every other variable raises)
+        raise ValueError("empty")
+    return value
 
 
 _text.expected = "a path or DYNAMIC"  # type: ignore[attr-defined]

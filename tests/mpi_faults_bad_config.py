@@ -27,6 +27,7 @@ BAD_VALUES = {
     "CMA": ["auto", ""],
     "CMA_THRESHOLD": ["1MB", "-2"],
     "OVERLAP": ["sometimes", "2", ""],
+    "TIMELINE": ["", "  "],  # (an empty path was taken as unset)
 }
 # Checked separately (see test_bad_input.py): a value that parses but cannot be used.
 USED_AT_INIT = {"TIMELINE": "/proc/nonexistent-hvddp/timeline.json"}
