@@ -222,8 +222,10 @@ def test_shutdown_fails_pending_handles_on_every_rank():
 def test_stall_warning_then_error_on_every_rank():
     script = os.path.join(ROOT, "tests", "mpi_core_stall.py")
     started = time.monotonic()
+    # (a 4 s check: the cached name is demoted 1 s after its submission, long enough to show if the
+    # stall clock started only then)
     result = run(2, [script], timeout=60, check=False,
-                 env={"HVDDP_STALL_CHECK_TIME_SECONDS": "0.5", "HVDDP_STALL_SHUTDOWN_TIME_SECONDS": "1.5"})
+                 env={"HVDDP_STALL_CHECK_TIME_SECONDS": "4", "HVDDP_STALL_SHUTDOWN_TIME_SECONDS": "4.5"})
     out = result.stdout
     assert result.returncode != 0 and time.monotonic() - started < 20, out
     assert "stalled collectives" in out and "'step.7'" in out and "missing on ranks [1]" in out, out
@@ -233,6 +235,9 @@ def test_stall_warning_then_error_on_every_rank():
     assert "allreduce 'warm' (waiting" in fatal and "'step.7'" in fatal, fatal  # the cached name too
     assert "allreduce 'step.7' on process set 1 (waiting" in fatal, fatal
     assert "allreduce 'step.7' (waiting" in fatal, fatal  # and the global set's, unqualified
+    # submitted together, they have waited as long (the cached one's clock started at its demotion)
+    waited = {n: float(re.search(rf"allreduce '{n}' \(waiting ([0-9.]+) s\)", fatal).group(1)) for n in ("warm", "step.7")}
+    assert abs(waited["warm"] - waited["step.7"]) <= 0.3, fatal
 
 
 def test_timeline_is_valid_chrome_trace(tmp_path):

@@ -118,11 +118,14 @@ class Coordinator:
             if self.cache.has_name(key) and key not in self._evict:
                 self._evict.append(key)
             waiting = self.table.get(key)
+            since = now - request.waited  # (waited: a cached name demoted after waiting that long)
             if waiting is None:
-                waiting = self.table[key] = _Waiting(now)
+                waiting = self.table[key] = _Waiting(since)
                 if self.timeline:
                     self.timeline.negotiate_start(key, request.kind.value)
             waiting.requests[rank] = request
+            if since < waiting.first_seen:
+                waiting.first_seen = since
             if self.timeline:
                 self.timeline.negotiate_rank_ready(key, rank)
             if self._failed:

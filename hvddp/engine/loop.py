@@ -449,7 +449,10 @@ class Engine:
     def _slow_round(self, unsent: List[Entry], now: float) -> Decision:
         for entry in unsent:
             entry.state = SENT
-        payload = np.frombuffer(pickle.dumps([e.request for e in unsent], protocol=5), dtype=np.uint8)
+        # (a cached name demoted after waiting says how long: the stall clock counts from its submission)
+        late = now - 0.05
+        requests = [e.request if e.submitted > late else e.request._replace(waited=now - e.submitted) for e in unsent]
+        payload = np.frombuffer(pickle.dumps(requests, protocol=5), dtype=np.uint8)
         comm = self.comm
         counts = np.zeros(self.size if self.rank == 0 else 1, dtype=np.int64)
         mine = np.array([payload.size], dtype=np.int64)

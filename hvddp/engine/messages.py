@@ -56,6 +56,9 @@ class Request(NamedTuple):
     extra: Optional[tuple] = None  # process-set ranks for ADD_PROCESS_SET
     # why this rank refused the call (it raised at once): the others must fail, not wait for it
     refused: Optional[str] = None
+    # seconds since its submission, when sent late (a cached name demoted): rank 0's stall clock
+    # starts that much earlier
+    waited: float = 0.0
 
     def key(self) -> tuple:
         return (self.ps_id, self.name)
