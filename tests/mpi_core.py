@@ -477,9 +477,10 @@ def test_a_member_sent_alone_after_its_group_failed_fails_too():
     else:
         with pytest.raises(hvddp.MismatchError, match="group differs"):
             hvddp.allreduce(np.ones(2), name="la.a")
-        with pytest.raises(hvddp.MismatchError, match=rf"'la\.b': rank\(s\) \[.*{R}.*\] sent it on its own after "
-                           r"rank\(s\) \[0\], which grouped it with \['la\.a'\], had failed that group: .*'la\.a': "
-                           r"group differs.*Group the same tensors on every rank, or none\."):
+        with pytest.raises(hvddp.MismatchError, match=rf"'la\.b' was sent late \(.*rank {R} on its own.*\): rank\(s\) "
+                           r"\[0\] had sent it in a group that failed, and will not send it again for that attempt\. "
+                           r"The group failed with: .*'la\.a': group differs.*Group the same tensors, in the same "
+                           r"order, on every rank \(or none\)\."):
             hvddp.allreduce(np.ones(3), name="la.b")
     # (a b that rank 0 sent again before the late one came would meet it as usual)
     hvddp.barrier()
@@ -504,6 +505,27 @@ def test_a_retry_grouped_as_the_failed_group_waits_for_its_peers():
         time.sleep(0.3)  # the others' retry of b comes first, while rank 0 has not sent b again
     for out, n in zip(hvddp.grouped_allreduce([np.ones(2), np.ones(3)], op=hvddp.Sum, names=["lr.a", "lr.b"]), (2, 3)):
         np.testing.assert_array_equal(out, np.full(n, N))
+
+
+def test_a_member_sent_late_in_another_group_fails_too():
+    """Rank 0 groups c with d, then a with b; the others group all four: c and d meet and fail
+    both groups; the others' a and b fail with them, so rank 0's later group of a and b would
+    wait for ever. It fails, naming why."""
+    if N == 1:
+        pytest.skip("needs two ranks")
+    names = ["lg.a", "lg.b", "lg.c", "lg.d"]
+    if R == 0:
+        with pytest.raises(hvddp.MismatchError, match=r"'lg\.[cd]': group differs"):
+            hvddp.grouped_allreduce([np.ones(2), np.ones(2)], names=names[2:])
+        with pytest.raises(hvddp.MismatchError, match=r"'lg\.[ab]' was sent late \(rank 0 in a group of 2\): "
+                           rf"rank\(s\) \[{', '.join(map(str, range(1, N)))}\] had sent it in a group that failed"):
+            hvddp.grouped_allreduce([np.ones(2), np.ones(2)], names=names[:2])
+    else:
+        with pytest.raises(hvddp.MismatchError, match="group differs"):
+            hvddp.grouped_allreduce([np.ones(2)] * 4, names=names)
+    hvddp.barrier()
+    for out in hvddp.grouped_allreduce([np.ones(2)] * 4, op=hvddp.Sum, names=names):
+        np.testing.assert_array_equal(out, np.full(2, N))
 
 
 @pytest.mark.parametrize("moved_on", ["resends_a_member", "barrier"])

@@ -190,13 +190,14 @@ def test_ranks_that_group_differently_fail_every_rank():
     assert_replicas_identical(model, "regrouped")
 
 
+@pytest.mark.parametrize("others", ["ungrouped", "by_layer"])
 @pytest.mark.parametrize("grouper", [0, -1])
-def test_a_rank_that_groups_while_the_others_do_not_fails_every_rank(grouper):
+def test_a_rank_that_groups_while_the_others_do_not_fails_every_rank(grouper, others):
     """One rank groups the first and last layers' weights, the others reduce each on its own as
-    their hooks fire: the last layer's weight, sent first, fails the group; the first layer's,
-    sent later in the backward pass, waited for ever (the grouping rank would not send it again).
-    Now every rank raises, whatever the timing: the others' backward pass is slowed between the
-    two layers (so the late member comes after the failure), or not."""
+    their hooks fire (or group by layer): the last layer's weight, sent first, fails the group;
+    the first layer's, sent later in the backward pass, waited for ever (the grouping rank would
+    not send it again). Now every rank raises, whatever the timing: the others' backward pass is
+    slowed between the two layers (so the late member comes after the failure), or not."""
     if N == 1:
         pytest.skip("needs more than one rank")
     torch.manual_seed(0)
@@ -204,12 +205,14 @@ def test_a_rank_that_groups_while_the_others_do_not_fails_every_rank(grouper):
     for slowed in (True, False):
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters(),
-                                       groups=[[model[0].weight, model[1].weight]] if R == grouper % N else None)
+                                       groups=[[model[0].weight, model[1].weight]] if R == grouper % N else
+                                       None if others == "ungrouped" else [list(model[0].parameters()),
+                                                                           list(model[1].parameters())])
         hidden = model[0](torch.randn(4, 6))
         if slowed and R != grouper % N:
             hidden.register_hook(lambda g: time.sleep(0.3))
         model[1](hidden).sum().backward()
-        with pytest.raises(hvd.HvddpError, match=r"group differs across ranks|sent it on its own after"):
+        with pytest.raises(hvd.HvddpError, match=r"group differs across ranks|was sent late"):
             opt.step()
         opt.zero_grad()
         del opt
@@ -218,7 +221,7 @@ def test_a_rank_that_groups_while_the_others_do_not_fails_every_rank(grouper):
                                    named_parameters=model.named_parameters())
     model(torch.randn(4, 6)).sum().backward()
     opt.step()
-    assert_replicas_identical(model, f"ungrouped.{grouper}")
+    assert_replicas_identical(model, f"regrouped.{grouper}.{others}")
 
 
 @pytest.mark.parametrize("name", ["fp16", "bf16"])

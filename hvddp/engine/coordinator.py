@@ -35,16 +35,17 @@ class Decision(NamedTuple):
     fatal: Optional[str]
 
 
-class _FailedGroup:
-    """A group that failed while some ranks that send without grouping had not sent all its
-    members yet: those members they owe (see ``Coordinator._owed_send``)."""
+class _Attempt:
+    """The groups that failed in one round, while some ranks had not sent all their members:
+    those members the ranks owe (see ``Coordinator._owed_sends``)."""
 
-    __slots__ = ("members", "groupers", "error", "owed")
+    __slots__ = ("groups", "senders", "errors", "owed")
 
-    def __init__(self, members: List[str], groupers: List[int], error: str, owed: Dict[int, set]) -> None:
-        self.members = members  # its members' names
-        self.groupers = groupers  # the ranks that sent it as a group
-        self.error = error  # what failed it
+    def __init__(self, groups: set, senders: Dict[tuple, set], errors: Dict[tuple, str],
+                 owed: Dict[int, set]) -> None:
+        self.groups = groups  # the failed groups' ids
+        self.senders = senders  # member key -> the ranks that had sent it
+        self.errors = errors  # member key -> what failed its group
         self.owed = owed  # rank -> the keys of the members it has not sent yet
 
 
@@ -101,14 +102,16 @@ class Coordinator:
         self.joined: List[int] = []  # in order of joining
         self._evict: List[tuple] = []
         self._fatal: Optional[str] = None
-        # failed groups whose members some ranks still owe (by group id), the failed group of each
-        # member key, and the late members sent since, failed in the next decide()
-        self._failed: Dict[str, _FailedGroup] = {}
-        self._member_of: Dict[tuple, str] = {}
-        self._late: Dict[tuple, tuple] = {}  # key -> (its _FailedGroup, [late ranks])
+        # the failed attempts whose members some ranks still owe, the latest attempt of each member
+        # key, and the late members sent since, failed in the next decide()
+        self._attempts: List[_Attempt] = []
+        self._member_of: Dict[tuple, _Attempt] = {}
+        self._late: Dict[tuple, tuple] = {}  # key -> (its _Attempt, {late rank: its request})
 
     # ------------------------------------------------------------------------------------
     def ingest(self, rank: int, requests: Sequence[Request], now: float) -> None:
+        if self._attempts:
+            self._owed_sends(rank, requests)
         for request in requests:
             if request.kind is Kind.JOIN:
                 if rank not in self.joined:
@@ -128,51 +131,53 @@ class Coordinator:
                 waiting.first_seen = since
             if self.timeline:
                 self.timeline.negotiate_rank_ready(key, rank)
-            if self._failed:
-                self._owed_send(rank, key, request)
 
-    def _owed_send(self, rank: int, key: tuple, request: Request) -> None:
-        """Settle what ``rank`` owes to failed groups, now that it sends ``key``.
+    def _owed_sends(self, rank: int, requests: Sequence[Request]) -> None:
+        """Settle what ``rank`` owes to failed attempts, now that it sends ``requests``.
 
-        A rank that sends without grouping and had not sent every member of a group that failed
-        (its first member met the others' group) sends the rest late, as its hooks fire: the
-        others will not send them again for that attempt, so a late member sent not grouped is
-        failed in the next ``decide`` (unless another rank has sent the name again by then).
-        The rank has moved on to a new attempt, and owes nothing more, once it sends a member
-        grouped, sends a member it had sent before the failure, or sends a barrier or join."""
-        if request.kind in (Kind.BARRIER, Kind.JOIN):
-            for gid in [g for g, f in self._failed.items() if rank in f.owed]:
-                self._forgive(gid, rank)
-            return
-        gid = self._member_of.get(key)
-        failed = self._failed.get(gid) if gid is not None else None
-        if failed is None or rank not in failed.owed:
-            return
-        if key in failed.owed[rank] and request.group is None:
-            failed.owed[rank].discard(key)
-            self._late.setdefault(key, (failed, []))[1].append(rank)
-            if failed.owed[rank]:
-                return
-        self._forgive(gid, rank)
+        A rank that had not sent every member of a group that failed (its first members met
+        the others' other grouping) sends the rest late, as its hooks fire: the others will not
+        send them again for that attempt, so a late member is failed in the next ``decide``
+        (unless another rank has sent the name again by then). A rank has moved on to a new
+        attempt, and owes nothing more, once it sends a member grouped as a failed group was,
+        resends a member it had sent before the failure, or sends a barrier or join."""
+        for request in requests:  # first: a new attempt's members may come in any order
+            key = request.key()
+            attempt = self._member_of.get(key)
+            if request.kind in (Kind.BARRIER, Kind.JOIN):
+                for attempt in [a for a in self._attempts if rank in a.owed]:
+                    self._forgive(attempt, rank)
+            elif attempt is not None and rank in attempt.owed and (
+                    key not in attempt.owed[rank] or request.group is not None and request.group[0] in attempt.groups):
+                self._forgive(attempt, rank)
+        for request in requests:
+            key = request.key()
+            attempt = self._member_of.get(key)
+            if attempt is not None and key in attempt.owed.get(rank, ()):
+                attempt.owed[rank].discard(key)
+                self._late.setdefault(key, (attempt, {}))[1][rank] = request
+                if not attempt.owed[rank]:
+                    self._forgive(attempt, rank)
 
-    def _forgive(self, gid: str, rank: int) -> None:
-        failed = self._failed[gid]
-        del failed.owed[rank]
-        if not failed.owed:
-            del self._failed[gid]
-            for key in [k for k, g in self._member_of.items() if g == gid]:
+    def _forgive(self, attempt: _Attempt, rank: int) -> None:
+        del attempt.owed[rank]
+        if not attempt.owed:
+            self._attempts.remove(attempt)
+            for key in [k for k, a in self._member_of.items() if a is attempt]:
                 del self._member_of[key]
 
     def _late_error(self, key: tuple, waiting: _Waiting) -> Optional[str]:
-        """The error for the late members of a failed group waiting under ``key``, if only late
+        """The error for the late members of a failed attempt waiting under ``key``, if only late
         ranks sent it (a rank that sent it again since meets them as usual)."""
-        failed, late = self._late.pop(key)
+        attempt, late = self._late.pop(key)
         if any(r not in late for r in waiting.requests):
             return None
         kind = next(iter(waiting.requests.values())).kind.value
-        return (f"{kind} {key[1]!r}: rank(s) {sorted(late)} sent it on its own after rank(s) {failed.groupers}, "
-                f"which grouped it with {[n for n in failed.members if n != key[1]]}, had failed that group: "
-                f"{failed.error} Group the same tensors on every rank, or none.")
+        how = "; ".join(f"rank {r} " + ("on its own" if q.group is None else f"in a group of {q.group[1]}")
+                        for r, q in sorted(late.items()))
+        return (f"{kind} {key[1]!r} was sent late ({how}): rank(s) {sorted(attempt.senders[key])} had sent it "
+                f"in a group that failed, and will not send it again for that attempt. The group failed "
+                f"with: {attempt.errors[key]} Group the same tensors, in the same order, on every rank (or none).")
 
     def forget_process_set(self, ps_id: int) -> None:
         """Drop the names waiting on a removed set: every rank has failed its own entries for them."""
@@ -182,8 +187,9 @@ class Coordinator:
                 self.timeline.negotiate_end(key)
         for key in [k for k in self._late if k[0] == ps_id]:
             del self._late[key]
-        for key in [k for k in self._member_of if k[0] == ps_id]:
-            self._failed.pop(self._member_of.pop(key), None)
+        for attempt in [a for a in self._attempts if any(k[0] == ps_id for k in a.senders)]:
+            for rank in list(attempt.owed):
+                self._forgive(attempt, rank)
 
     def wants_round(self) -> bool:
         """True when rank 0 has something to announce (a fatal stall) though no rank sent anything."""
@@ -260,8 +266,8 @@ class Coordinator:
         ready = self._complete_groups(ready, errors)
         responses: List[Response] = []
         failed_groups: Dict[str, str] = {}  # group id -> the error that failed one of its members
-        # group id -> (its members' keys and who sent them, the ranks that sent one not grouped)
-        seen: Dict[str, tuple] = {}
+        seen: Dict[tuple, tuple] = {}  # failed member key -> (the ranks that sent it, its group's error)
+        ran: Dict[tuple, set] = {}  # group member key agreed on -> the ranks that sent it
         for key in ready:
             waiting = self.table.pop(key)
             if key in errors:
@@ -273,7 +279,9 @@ class Coordinator:
                 for request in waiting.requests.values():
                     if request.group is not None:
                         failed_groups.setdefault(request.group[0], responses[-1].error)
-                        self._note_failed_member(seen, request.group[0], key, waiting)
+                        seen.setdefault(key, (set(waiting.requests), responses[-1].error))
+            elif responses[-1].request.group is not None:
+                ran[key] = set(waiting.requests)
             if self.timeline:
                 self.timeline.negotiate_end(key)
         if failed_groups:  # a group is atomic: no member runs when one fails
@@ -281,6 +289,7 @@ class Coordinator:
                 group = response.request.group if response.request is not None else None
                 if response.error is None and group is not None and group[0] in failed_groups:
                     responses[i] = response._replace(error=failed_groups[group[0]])
+                    seen[response.key()] = (ran[response.key()], failed_groups[group[0]])
             responses += self._fail_rest_of_groups(failed_groups, seen)
             self._owe(failed_groups, seen)
         if len(self.joined) == self.world_size:
@@ -291,7 +300,7 @@ class Coordinator:
         evict, self._evict = self._evict, []
         return Decision(responses, evict, bool(self.joined), self._fatal)
 
-    def _fail_rest_of_groups(self, failed_groups: Dict[str, str], seen: Dict[str, tuple]) -> List[Response]:
+    def _fail_rest_of_groups(self, failed_groups: Dict[str, str], seen: Dict[tuple, tuple]) -> List[Response]:
         """Error responses for the members of failed groups that some ranks never submitted
         (ranks whose groups differ in size): they would otherwise stay pending there forever,
         holding their names, and show up as stalls."""
@@ -302,32 +311,26 @@ class Coordinator:
             if gid is None:
                 continue
             del self.table[key]
-            self._note_failed_member(seen, gid, key, waiting)
+            seen[key] = (set(waiting.requests), failed_groups[gid])
             request = next(iter(waiting.requests.values()))
             responses.append(Response(request.kind, key[0], key[1], failed_groups[gid], request))
             if self.timeline:
                 self.timeline.negotiate_end(key)
         return responses
 
-    @staticmethod
-    def _note_failed_member(seen: Dict[str, tuple], gid: str, key: tuple, waiting: _Waiting) -> None:
-        members, alone = seen.setdefault(gid, ({}, set()))
-        if key not in members:
-            members[key] = set(waiting.requests)
-            alone.update(r for r, q in waiting.requests.items() if q.group is None)
-
-    def _owe(self, failed_groups: Dict[str, str], seen: Dict[str, tuple]) -> None:
-        """Record the members of this round's failed groups that ranks sending without grouping
-        have not sent yet: they owe them (``_owed_send``)."""
-        for gid, (members, alone) in seen.items():
-            owed = {r: {k for k, senders in members.items() if r not in senders} for r in alone}
-            owed = {r: keys for r, keys in owed.items() if keys}
-            if not owed:
-                continue
-            groupers = sorted(set().union(*members.values()) - alone)
-            self._failed[gid] = _FailedGroup([k[1] for k in members], groupers, failed_groups[gid], owed)
-            for key in members:
-                self._member_of[key] = gid
+    def _owe(self, failed_groups: Dict[str, str], seen: Dict[tuple, tuple]) -> None:
+        """Record the members of this round's failed groups that ranks have not sent yet: they
+        owe them (``_owed_sends``)."""
+        senders = {key: ranks for key, (ranks, _) in seen.items()}
+        everyone = set().union(*senders.values())
+        owed = {r: {k for k, ranks in senders.items() if r not in ranks} for r in everyone}
+        owed = {r: keys for r, keys in owed.items() if keys}
+        if not owed:
+            return
+        attempt = _Attempt(set(failed_groups), senders, {key: error for key, (_, error) in seen.items()}, owed)
+        self._attempts.append(attempt)
+        for key in senders:
+            self._member_of[key] = attempt
 
     def _complete_groups(self, ready: List[tuple], errors) -> List[tuple]:
         counts: Dict[str, int] = {}
