@@ -9,6 +9,11 @@ from typing import Any, Callable, List, Optional
 
 __all__ = ["Handle", "poll", "synchronize"]
 
+# How many times wait() has raised on this rank. Each request carries the count at its making:
+# rank 0 tells a call made before this rank's code met a failure (the rest of the failed
+# attempt, such as gradients that hooks send one by one) from one made after it (a new call).
+RAISED = [0]
+
 
 class Handle:
     """The pending result of an asynchronous collective.
@@ -63,6 +68,7 @@ class Handle:
                 raise TimeoutError(f"collective {self.name!r} did not complete within {timeout} s.")
             self._gate.release()  # let other waiters through
         if self._error is not None:
+            RAISED[0] += 1
             raise self._error
         return self._result
 

@@ -466,23 +466,28 @@ def test_groups_of_one_size_with_other_members_fail_and_free_every_name():
 
 
 def test_a_member_sent_alone_after_its_group_failed_fails_too():
-    """Rank 0 groups a with b; the others send a alone, which fails the group, then b alone.
-    The failed group answered only the ranks that had sent b, so the late b waited for a rank 0
-    that would not send it again; now it fails, naming the group's failure."""
+    """Rank 0 groups a with b; the others send a alone, which fails the group, then b alone
+    before their code has met that error (as hooks send gradients one by one). The failed group
+    answered only the ranks that had sent b, so the late b waited for a rank 0 that would not
+    send it again; now it fails, naming the group's failure."""
     if N == 1:
         pytest.skip("needs two ranks")
     if R == 0:
         with pytest.raises(hvddp.MismatchError, match=r"'la\.a': group differs across ranks: rank 0 a group of 2"):
             hvddp.grouped_allreduce([np.ones(2), np.ones(3)], names=["la.a", "la.b"])
     else:
+        first = hvddp.allreduce_async(np.ones(2), name="la.a")
+        while not first.done():  # failed at rank 0, not yet raised here
+            time.sleep(0.01)
+        late = hvddp.allreduce_async(np.ones(3), name="la.b")
         with pytest.raises(hvddp.MismatchError, match="group differs"):
-            hvddp.allreduce(np.ones(2), name="la.a")
-        with pytest.raises(hvddp.MismatchError, match=rf"'la\.b' was sent late \(.*rank {R} on its own.*\): rank\(s\) "
-                           r"\[0\] had sent it in a group that failed, and will not send it again for that attempt\. "
-                           r"The group failed with: .*'la\.a': group differs.*Group the same tensors, in the same "
-                           r"order, on every rank \(or none\)\."):
-            hvddp.allreduce(np.ones(3), name="la.b")
-    # (a b that rank 0 sent again before the late one came would meet it as usual)
+            first.wait()
+        with pytest.raises(hvddp.MismatchError, match=rf"'la\.b' was sent late \((rank \d on its own; )*rank {R} on its own(; rank \d on its own)*\): rank 0 in a "
+                           r"group of 2 had sent it before, and its group failed, so they will not send it again "
+                           r"for that step\. The group failed with: .*'la\.a': group differs.*Group the same "
+                           r"tensors, in the same order, on every rank \(or none\)\."):
+            late.wait()
+    # (a call rank 0 makes before the late b has reached rank 0 would meet it as usual)
     hvddp.barrier()
     # the names are free: the same names ungrouped, then grouped, run
     np.testing.assert_array_equal(hvddp.allreduce(np.ones(3), op=hvddp.Sum, name="la.b"), np.full(3, N))
@@ -491,9 +496,8 @@ def test_a_member_sent_alone_after_its_group_failed_fails_too():
 
 
 def test_a_retry_grouped_as_the_failed_group_waits_for_its_peers():
-    """The ranks that had not sent a failed group's member yet owe it; what they send under its
-    name next fails at once unless grouped as the failed group was, which is a retry: rank 1
-    raised on a alone (rank 0 had grouped it with b), skips b, and all retry the group."""
+    """Rank 1 raised on a alone (rank 0 had grouped it with b), skips b, and all retry the group,
+    rank 0 last: the retry is a new call, not the late b of the failed attempt."""
     if N == 1:
         pytest.skip("needs two ranks")
     with pytest.raises(hvddp.MismatchError, match="group differs"):
@@ -508,47 +512,55 @@ def test_a_retry_grouped_as_the_failed_group_waits_for_its_peers():
 
 
 def test_a_member_sent_late_in_another_group_fails_too():
-    """Rank 0 groups c with d, then a with b; the others group all four: c and d meet and fail
-    both groups; the others' a and b fail with them, so rank 0's later group of a and b would
-    wait for ever. It fails, naming why."""
+    """Rank 0 groups c with d, then (before its code has met an error) a with b; the others group
+    all four: c and d meet and fail both groups; the others' a and b fail with them, so rank 0's
+    later group of a and b would wait for ever. It fails, naming why."""
     if N == 1:
         pytest.skip("needs two ranks")
     names = ["lg.a", "lg.b", "lg.c", "lg.d"]
     if R == 0:
+        first = hvddp.grouped_allreduce_async([np.ones(2), np.ones(2)], names=names[2:])
+        while not first.done():
+            time.sleep(0.01)
+        late = hvddp.grouped_allreduce_async([np.ones(2), np.ones(2)], names=names[:2])
         with pytest.raises(hvddp.MismatchError, match=r"'lg\.[cd]': group differs"):
-            hvddp.grouped_allreduce([np.ones(2), np.ones(2)], names=names[2:])
-        with pytest.raises(hvddp.MismatchError, match=r"'lg\.[ab]' was sent late \(rank 0 in a group of 2\): "
-                           rf"rank\(s\) \[{', '.join(map(str, range(1, N)))}\] had sent it in a group that failed"):
-            hvddp.grouped_allreduce([np.ones(2), np.ones(2)], names=names[:2])
+            first.wait()
+        others = "; ".join(f"rank {r} in a group of 4" for r in range(1, N))
+        with pytest.raises(hvddp.MismatchError, match=rf"'lg\.[ab]' was sent late \(rank 0 in a group of 2\): "
+                           rf"{others} had sent it before"):
+            late.wait()
     else:
         with pytest.raises(hvddp.MismatchError, match="group differs"):
             hvddp.grouped_allreduce([np.ones(2)] * 4, names=names)
-    hvddp.barrier()
+    hvddp.barrier()  # (a call made before rank 0's late group has reached rank 0 would meet it)
     for out in hvddp.grouped_allreduce([np.ones(2)] * 4, op=hvddp.Sum, names=names):
         np.testing.assert_array_equal(out, np.full(2, N))
 
 
-@pytest.mark.parametrize("moved_on", ["resends_a_member", "barrier"])
-def test_a_rank_that_moved_on_owes_the_failed_group_nothing(moved_on):
-    """The ranks that sent a alone (rank 0 grouped a with b) raised on it and never sent b for
-    that attempt. Once they resend a (all retry ungrouped) or pass a barrier, their next b is a
-    new call, not the late member: it waits for rank 0's as usual (it failed at once, and rank 0's
-    b, sent later, waited for ever)."""
+@pytest.mark.parametrize("next_call", ["b", "a_then_b", "barrier_then_b", "b_in_a_new_group"])
+def test_a_call_made_after_the_error_is_a_new_call_not_a_late_member(next_call):
+    """The ranks that sent a alone (rank 0 grouped a with b) raised on it, having never sent b.
+    What they call next, b included, is a new call that meets rank 0's next calls as usual (it is
+    not failed as the late b of the failed attempt), even when it reaches rank 0 first."""
     if N == 1:
         pytest.skip("needs two ranks")
-    a, b = f"mv.{moved_on}.a", f"mv.{moved_on}.b"
+    a, b, c = f"nc.{next_call}.a", f"nc.{next_call}.b", f"nc.{next_call}.c"
     with pytest.raises(hvddp.MismatchError, match="group differs"):
         if R == 0:
             hvddp.grouped_allreduce([np.ones(2), np.ones(3)], names=[a, b])
         else:
             hvddp.allreduce(np.ones(2), name=a)
-    if moved_on == "barrier":
-        hvddp.barrier()
-    else:
-        np.testing.assert_array_equal(hvddp.allreduce(np.ones(2), op=hvddp.Sum, name=a), np.full(2, N))
     if R == 0:
-        time.sleep(0.3)  # the others' b comes first
-    np.testing.assert_array_equal(hvddp.allreduce(np.ones(3), op=hvddp.Sum, name=b), np.full(3, N))
+        time.sleep(0.3)  # the others' next call comes first
+    if next_call == "a_then_b":
+        np.testing.assert_array_equal(hvddp.allreduce(np.ones(2), op=hvddp.Sum, name=a), np.full(2, N))
+    elif next_call == "barrier_then_b":
+        hvddp.barrier()
+    if next_call == "b_in_a_new_group":
+        for out, n in zip(hvddp.grouped_allreduce([np.ones(3), np.ones(4)], op=hvddp.Sum, names=[b, c]), (3, 4)):
+            np.testing.assert_array_equal(out, np.full(n, N))
+    else:
+        np.testing.assert_array_equal(hvddp.allreduce(np.ones(3), op=hvddp.Sum, name=b), np.full(3, N))
 
 
 @pytest.mark.parametrize("bad", ["count", "duplicate", "not_a_string"])

@@ -39,14 +39,20 @@ class _Attempt:
     """The groups that failed in one round, while some ranks had not sent all their members:
     those members the ranks owe (see ``Coordinator._owed_sends``)."""
 
-    __slots__ = ("groups", "senders", "errors", "owed")
+    __slots__ = ("senders", "errors", "owed")
 
-    def __init__(self, groups: set, senders: Dict[tuple, set], errors: Dict[tuple, str],
-                 owed: Dict[int, set]) -> None:
-        self.groups = groups  # the failed groups' ids
-        self.senders = senders  # member key -> the ranks that had sent it
+    def __init__(self, senders: Dict[tuple, Dict[int, Request]], errors: Dict[tuple, str],
+                 owed: Dict[int, tuple]) -> None:
+        self.senders = senders  # member key -> the requests that had sent it, by rank
         self.errors = errors  # member key -> what failed its group
-        self.owed = owed  # rank -> the keys of the members it has not sent yet
+        # rank -> (the errors its code had met by the failure, the keys of the members it owes)
+        self.owed = owed
+
+
+def _how(requests: Dict[int, Request]) -> str:
+    """``rank 0 in a group of 2; rank 1 on its own``."""
+    return "; ".join(f"rank {r} " + ("on its own" if q.group is None else f"in a group of {q.group[1]}")
+                     for r, q in sorted(requests.items()))
 
 
 class _Waiting:
@@ -102,14 +108,16 @@ class Coordinator:
         self.joined: List[int] = []  # in order of joining
         self._evict: List[tuple] = []
         self._fatal: Optional[str] = None
-        # the failed attempts whose members some ranks still owe, the latest attempt of each member
-        # key, and the late members sent since, failed in the next decide()
+        # the failed attempts whose members some ranks still owe, and the late members sent since,
+        # failed in the next decide()
         self._attempts: List[_Attempt] = []
-        self._member_of: Dict[tuple, _Attempt] = {}
         self._late: Dict[tuple, tuple] = {}  # key -> (its _Attempt, {late rank: its request})
+        self._raised: Dict[int, int] = {}  # rank -> the latest Request.raised it sent
 
     # ------------------------------------------------------------------------------------
     def ingest(self, rank: int, requests: Sequence[Request], now: float) -> None:
+        if requests:
+            self._raised[rank] = requests[-1].raised
         if self._attempts:
             self._owed_sends(rank, requests)
         for request in requests:
@@ -136,35 +144,27 @@ class Coordinator:
         """Settle what ``rank`` owes to failed attempts, now that it sends ``requests``.
 
         A rank that had not sent every member of a group that failed (its first members met
-        the others' other grouping) sends the rest late, as its hooks fire: the others will not
-        send them again for that attempt, so a late member is failed in the next ``decide``
-        (unless another rank has sent the name again by then). A rank has moved on to a new
-        attempt, and owes nothing more, once it sends a member grouped as a failed group was,
-        resends a member it had sent before the failure, or sends a barrier or join."""
-        for request in requests:  # first: a new attempt's members may come in any order
-            key = request.key()
-            attempt = self._member_of.get(key)
-            if request.kind in (Kind.BARRIER, Kind.JOIN):
-                for attempt in [a for a in self._attempts if rank in a.owed]:
-                    self._forgive(attempt, rank)
-            elif attempt is not None and rank in attempt.owed and (
-                    key not in attempt.owed[rank] or request.group is not None and request.group[0] in attempt.groups):
-                self._forgive(attempt, rank)
+        the others' other grouping) can send the rest later, as its hooks fire: the others will
+        not send them again, so such a late member fails in the next ``decide`` (unless another
+        rank has sent the name again by then). A call is late only if this rank made it before
+        its code met an error since the failure (``Request.raised``); one made after is a new
+        call (a retry, or the next step), and the rank owes nothing more."""
         for request in requests:
-            key = request.key()
-            attempt = self._member_of.get(key)
-            if attempt is not None and key in attempt.owed.get(rank, ()):
-                attempt.owed[rank].discard(key)
-                self._late.setdefault(key, (attempt, {}))[1][rank] = request
-                if not attempt.owed[rank]:
+            for attempt in [a for a in self._attempts if rank in a.owed]:
+                raised, keys = attempt.owed[rank]
+                key = request.key()
+                if request.raised > raised:
                     self._forgive(attempt, rank)
+                elif key in keys:
+                    keys.discard(key)
+                    self._late.setdefault(key, (attempt, {}))[1][rank] = request
+                    if not keys:
+                        self._forgive(attempt, rank)
 
     def _forgive(self, attempt: _Attempt, rank: int) -> None:
         del attempt.owed[rank]
         if not attempt.owed:
             self._attempts.remove(attempt)
-            for key in [k for k, a in self._member_of.items() if a is attempt]:
-                del self._member_of[key]
 
     def _late_error(self, key: tuple, waiting: _Waiting) -> Optional[str]:
         """The error for the late members of a failed attempt waiting under ``key``, if only late
@@ -173,11 +173,10 @@ class Coordinator:
         if any(r not in late for r in waiting.requests):
             return None
         kind = next(iter(waiting.requests.values())).kind.value
-        how = "; ".join(f"rank {r} " + ("on its own" if q.group is None else f"in a group of {q.group[1]}")
-                        for r, q in sorted(late.items()))
-        return (f"{kind} {key[1]!r} was sent late ({how}): rank(s) {sorted(attempt.senders[key])} had sent it "
-                f"in a group that failed, and will not send it again for that attempt. The group failed "
-                f"with: {attempt.errors[key]} Group the same tensors, in the same order, on every rank (or none).")
+        return (f"{kind} {key[1]!r} was sent late ({_how(late)}): {_how(attempt.senders[key])} had sent it "
+                f"before, and its group failed, so they will not send it again for that step. The group "
+                f"failed with: {attempt.errors[key]} Group the same tensors, in the same order, on every "
+                f"rank (or none).")
 
     def forget_process_set(self, ps_id: int) -> None:
         """Drop the names waiting on a removed set: every rank has failed its own entries for them."""
@@ -187,9 +186,7 @@ class Coordinator:
                 self.timeline.negotiate_end(key)
         for key in [k for k in self._late if k[0] == ps_id]:
             del self._late[key]
-        for attempt in [a for a in self._attempts if any(k[0] == ps_id for k in a.senders)]:
-            for rank in list(attempt.owed):
-                self._forgive(attempt, rank)
+        self._attempts = [a for a in self._attempts if all(k[0] != ps_id for k in a.senders)]
 
     def wants_round(self) -> bool:
         """True when rank 0 has something to announce (a fatal stall) though no rank sent anything."""
@@ -266,8 +263,8 @@ class Coordinator:
         ready = self._complete_groups(ready, errors)
         responses: List[Response] = []
         failed_groups: Dict[str, str] = {}  # group id -> the error that failed one of its members
-        seen: Dict[tuple, tuple] = {}  # failed member key -> (the ranks that sent it, its group's error)
-        ran: Dict[tuple, set] = {}  # group member key agreed on -> the ranks that sent it
+        seen: Dict[tuple, tuple] = {}  # failed member key -> (its requests by rank, its group's error)
+        ran: Dict[tuple, dict] = {}  # group member key agreed on -> its requests by rank
         for key in ready:
             waiting = self.table.pop(key)
             if key in errors:
@@ -279,9 +276,9 @@ class Coordinator:
                 for request in waiting.requests.values():
                     if request.group is not None:
                         failed_groups.setdefault(request.group[0], responses[-1].error)
-                        seen.setdefault(key, (set(waiting.requests), responses[-1].error))
+                        seen.setdefault(key, (dict(waiting.requests), responses[-1].error))
             elif responses[-1].request.group is not None:
-                ran[key] = set(waiting.requests)
+                ran[key] = dict(waiting.requests)
             if self.timeline:
                 self.timeline.negotiate_end(key)
         if failed_groups:  # a group is atomic: no member runs when one fails
@@ -291,7 +288,7 @@ class Coordinator:
                     responses[i] = response._replace(error=failed_groups[group[0]])
                     seen[response.key()] = (ran[response.key()], failed_groups[group[0]])
             responses += self._fail_rest_of_groups(failed_groups, seen)
-            self._owe(failed_groups, seen)
+            self._owe(seen)
         if len(self.joined) == self.world_size:
             responses.append(Response(Kind.JOIN, JOIN_KEY[0], JOIN_KEY[1],
                                       request=Request(Kind.JOIN, 0, JOIN_KEY[1], "", ()),
@@ -311,26 +308,26 @@ class Coordinator:
             if gid is None:
                 continue
             del self.table[key]
-            seen[key] = (set(waiting.requests), failed_groups[gid])
+            seen[key] = (dict(waiting.requests), failed_groups[gid])
             request = next(iter(waiting.requests.values()))
             responses.append(Response(request.kind, key[0], key[1], failed_groups[gid], request))
             if self.timeline:
                 self.timeline.negotiate_end(key)
         return responses
 
-    def _owe(self, failed_groups: Dict[str, str], seen: Dict[tuple, tuple]) -> None:
+    def _owe(self, seen: Dict[tuple, tuple]) -> None:
         """Record the members of this round's failed groups that ranks have not sent yet: they
         owe them (``_owed_sends``)."""
-        senders = {key: ranks for key, (ranks, _) in seen.items()}
-        everyone = set().union(*senders.values())
-        owed = {r: {k for k, ranks in senders.items() if r not in ranks} for r in everyone}
-        owed = {r: keys for r, keys in owed.items() if keys}
-        if not owed:
-            return
-        attempt = _Attempt(set(failed_groups), senders, {key: error for key, (_, error) in seen.items()}, owed)
-        self._attempts.append(attempt)
-        for key in senders:
-            self._member_of[key] = attempt
+        joined = set(self.joined)
+        owed: Dict[int, tuple] = {}
+        for key, (senders, _) in seen.items():
+            ps = self.process_sets.get(key[0])
+            for r in ps.ranks if ps is not None else ():
+                if r not in senders and r not in joined:
+                    owed.setdefault(r, (self._raised.get(r, 0), set()))[1].add(key)
+        if owed:
+            self._attempts.append(_Attempt({k: senders for k, (senders, _) in seen.items()},
+                                           {k: error for k, (_, error) in seen.items()}, owed))
 
     def _complete_groups(self, ready: List[tuple], errors) -> List[tuple]:
         counts: Dict[str, int] = {}

@@ -24,6 +24,7 @@ except ImportError:  # pragma: no cover - numpy 1.x
 
 
 from ..exceptions import HvddpError
+from ..handles import RAISED as _RAISED
 from .messages import Kind, ReduceOp, Request
 from .pool import OutputPool
 
@@ -38,7 +39,7 @@ class Entry:
     """A request this rank submitted, with its buffers and the handle to complete."""
 
     __slots__ = ("request", "key", "input", "output", "writeback", "handle", "index", "submitted",
-                 "state", "slot", "group_keys", "sig", "cache_version", "ready")
+                 "state", "slot", "group_keys", "sig", "cache_version", "ready", "raised")
 
     def __init__(self, request: Request, input_: Optional[np.ndarray], output: Optional[np.ndarray],
                  handle, index: int, submitted: float, writeback: Optional[np.ndarray] = None) -> None:
@@ -56,6 +57,7 @@ class Entry:
         self.sig = request.signature()
         self.cache_version = -1
         self.ready = None  # device inputs: the event after which the producer's writes are done
+        self.raised = _RAISED[0]  # errors this rank's code had met when it made the call
 
     def complete(self, value) -> None:
         if self.writeback is not None and value is not None:

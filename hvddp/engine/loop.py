@@ -451,7 +451,8 @@ class Engine:
             entry.state = SENT
         # (a cached name demoted after waiting says how long: the stall clock counts from its submission)
         late = now - 0.05
-        requests = [e.request if e.submitted > late else e.request._replace(waited=now - e.submitted) for e in unsent]
+        requests = [e.request if e.submitted > late and not e.raised else
+                    e.request._replace(waited=max(0.0, now - e.submitted), raised=e.raised) for e in unsent]
         payload = np.frombuffer(pickle.dumps(requests, protocol=5), dtype=np.uint8)
         comm = self.comm
         counts = np.zeros(self.size if self.rank == 0 else 1, dtype=np.int64)

@@ -59,6 +59,8 @@ class Request(NamedTuple):
     # seconds since its submission, when sent late (a cached name demoted): rank 0's stall clock
     # starts that much earlier
     waited: float = 0.0
+    # how many errors this rank's code had met (hvddp.handles.RAISED) when it made the call
+    raised: int = 0
 
     def key(self) -> tuple:
         return (self.ps_id, self.name)
