@@ -234,6 +234,7 @@ class Coordinator:
     def decide(self, now: float) -> Decision:
         ready: List[tuple] = []
         errors: Dict[tuple, str] = {}
+        late_groups = set()  # the groups of late members failed this round
         joined = set(self.joined)
         for key, waiting in self.table.items():
             ps = self.process_sets.get(key[0])
@@ -245,6 +246,7 @@ class Coordinator:
             late = self._late_error(key, waiting) if key in self._late else None
             if late is not None:
                 errors[key] = late
+                late_groups.update(q.group[0] for q in waiting.requests.values() if q.group is not None)
                 ready.append(key)
                 continue
             members = ps.ranks
@@ -288,7 +290,7 @@ class Coordinator:
                     responses[i] = response._replace(error=failed_groups[group[0]])
                     seen[response.key()] = (ran[response.key()], failed_groups[group[0]])
             responses += self._fail_rest_of_groups(failed_groups, seen)
-            self._owe(seen)
+            self._owe(seen, late_groups)
         if len(self.joined) == self.world_size:
             responses.append(Response(Kind.JOIN, JOIN_KEY[0], JOIN_KEY[1],
                                       request=Request(Kind.JOIN, 0, JOIN_KEY[1], "", ()),
@@ -315,12 +317,16 @@ class Coordinator:
                 self.timeline.negotiate_end(key)
         return responses
 
-    def _owe(self, seen: Dict[tuple, tuple]) -> None:
+    def _owe(self, seen: Dict[tuple, tuple], late_groups: set) -> None:
         """Record the members of this round's failed groups that ranks have not sent yet: they
-        owe them (``_owed_sends``)."""
+        owe them (``_owed_sends``). Not those of a group that a late member failed: the other
+        ranks had their answer for that member, and their next call under a name of that group
+        is a new one, even if their code met no error since (it failed on another rank only)."""
         joined = set(self.joined)
         owed: Dict[int, tuple] = {}
         for key, (senders, _) in seen.items():
+            if any(q.group is not None and q.group[0] in late_groups for q in senders.values()):
+                continue
             ps = self.process_sets.get(key[0])
             for r in ps.ranks if ps is not None else ():
                 if r not in senders and r not in joined:
