@@ -9,9 +9,11 @@ from typing import Any, Callable, List, Optional
 
 __all__ = ["Handle", "poll", "synchronize"]
 
-# How many times wait() has raised on this rank. Each request carries the count at its making:
-# rank 0 tells a call made before this rank's code met a failure (the rest of the failed
-# attempt, such as gradients that hooks send one by one) from one made after it (a new call).
+# How many times wait() has raised a group's failure on this rank. Each request carries the count
+# at its making: rank 0 tells a call made before this rank's code met the failure (the rest of the
+# failed attempt, such as gradients that hooks send one by one) from one made after it (a new
+# call). Other errors do not count: a metrics thread's own mismatch must not turn a late member
+# into a new call that waits for ever.
 RAISED = [0]
 
 
@@ -68,7 +70,8 @@ class Handle:
                 raise TimeoutError(f"collective {self.name!r} did not complete within {timeout} s.")
             self._gate.release()  # let other waiters through
         if self._error is not None:
-            RAISED[0] += 1
+            if getattr(self._error, "group_failure", False):
+                RAISED[0] += 1
             raise self._error
         return self._result
 

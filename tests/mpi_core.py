@@ -511,6 +511,32 @@ def test_a_retry_grouped_as_the_failed_group_waits_for_its_peers():
         np.testing.assert_array_equal(out, np.full(n, N))
 
 
+def test_an_unrelated_error_met_between_two_members_leaves_the_later_one_late():
+    """Only group failures tell a late member from a new call: the others send a alone (rank 0
+    grouped a with b), meet an unrelated mismatch in between (a metrics thread, say), then send
+    b before waiting on a. b is still the late member of the failed attempt: it fails (counted as
+    a new call, it waited for ever)."""
+    if N == 1:
+        pytest.skip("needs two ranks")
+    if R == 0:
+        with pytest.raises(hvddp.MismatchError, match="shape differs"):
+            hvddp.allreduce(np.ones(3), name="ue.metric")
+        with pytest.raises(hvddp.MismatchError, match="group differs"):
+            hvddp.grouped_allreduce([np.ones(2), np.ones(3)], names=["ue.a", "ue.b"])
+    else:
+        first = hvddp.allreduce_async(np.ones(2), name="ue.a")
+        with pytest.raises(hvddp.MismatchError, match="shape differs"):
+            hvddp.allreduce(np.ones(2), name="ue.metric")
+        while not first.done():
+            time.sleep(0.01)
+        late = hvddp.allreduce_async(np.ones(3), name="ue.b")
+        with pytest.raises(hvddp.MismatchError, match="group differs"):
+            first.wait()
+        with pytest.raises(hvddp.MismatchError, match=r"'ue\.b' was sent late"):
+            late.wait()
+    hvddp.barrier()
+
+
 def test_a_member_sent_late_in_another_group_fails_too():
     """Rank 0 groups c with d, then (before its code has met an error) a with b; the others group
     all four: c and d meet and fail both groups; the others' a and b fail with them, so rank 0's

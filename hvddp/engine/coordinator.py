@@ -17,7 +17,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence
 
 from ..config import variable_name
 from ..exceptions import KIND_MISMATCH, REFUSED
-from .messages import JOIN_TOLERANT, Kind, Request, Response, ReduceOp
+from .messages import GROUP_FAILURE, JOIN_TOLERANT, Kind, Request, Response, ReduceOp
 
 log = logging.getLogger("hvddp")
 # the names hvddp.torch's DistributedOptimizer gives its gradients
@@ -234,7 +234,7 @@ class Coordinator:
     def decide(self, now: float) -> Decision:
         ready: List[tuple] = []
         errors: Dict[tuple, str] = {}
-        late_groups = set()  # the groups of late members failed this round
+        late_keys, late_groups = set(), set()  # the late members failed this round, and their groups
         joined = set(self.joined)
         for key, waiting in self.table.items():
             ps = self.process_sets.get(key[0])
@@ -246,6 +246,7 @@ class Coordinator:
             late = self._late_error(key, waiting) if key in self._late else None
             if late is not None:
                 errors[key] = late
+                late_keys.add(key)
                 late_groups.update(q.group[0] for q in waiting.requests.values() if q.group is not None)
                 ready.append(key)
                 continue
@@ -291,6 +292,10 @@ class Coordinator:
                     seen[response.key()] = (ran[response.key()], failed_groups[group[0]])
             responses += self._fail_rest_of_groups(failed_groups, seen)
             self._owe(seen, late_groups)
+        if seen or late_keys:  # group failures count where they are raised (hvddp.handles.RAISED)
+            for i, response in enumerate(responses):
+                if response.error is not None and (response.key() in seen or response.key() in late_keys):
+                    responses[i] = response._replace(info=GROUP_FAILURE)
         if len(self.joined) == self.world_size:
             responses.append(Response(Kind.JOIN, JOIN_KEY[0], JOIN_KEY[1],
                                       request=Request(Kind.JOIN, 0, JOIN_KEY[1], "", ()),

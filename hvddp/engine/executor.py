@@ -57,7 +57,7 @@ class Entry:
         self.sig = request.signature()
         self.cache_version = -1
         self.ready = None  # device inputs: the event after which the producer's writes are done
-        self.raised = _RAISED[0]  # errors this rank's code had met when it made the call
+        self.raised = _RAISED[0]  # group failures this rank's code had met when it made the call
 
     def complete(self, value) -> None:
         if self.writeback is not None and value is not None:

@@ -30,7 +30,7 @@ from .cache import ResponseCache
 from .coordinator import Coordinator, Decision
 from .executor import Entry, Executor
 from ..handles import defer_wakeups, wake_deferred
-from .messages import Kind
+from .messages import GROUP_FAILURE, Kind
 from .names import AutoNames
 
 log = logging.getLogger("hvddp")
@@ -520,7 +520,9 @@ class Engine:
                             self._release_refused(response.key())
                         else:
                             self._names.discard(response.key())
-                    entry.fail(MismatchError(response.error))
+                    error = MismatchError(response.error)
+                    error.group_failure = response.info == GROUP_FAILURE  # (counted when raised: handles.RAISED)
+                    entry.fail(error)
                 continue
             kind = response.kind
             if kind in (Kind.ADD_PROCESS_SET, Kind.REMOVE_PROCESS_SET):

@@ -59,7 +59,7 @@ class Request(NamedTuple):
     # seconds since its submission, when sent late (a cached name demoted): rank 0's stall clock
     # starts that much earlier
     waited: float = 0.0
-    # how many errors this rank's code had met (hvddp.handles.RAISED) when it made the call
+    # how many group failures this rank's code had met (hvddp.handles.RAISED) when it made the call
     raised: int = 0
 
     def key(self) -> tuple:
@@ -69,6 +69,11 @@ class Request(NamedTuple):
         """What must be identical for a cached response to be reused."""
         return (self.kind, self.ps_id, self.name, self.dtype, self.shape, self.op,
                 self.prescale, self.postscale, self.root, self.device, self.group)
+
+
+# Response.info of an error that failed a group (or a member sent late to one): the rank that
+# raises it counts it (hvddp.handles.RAISED), which tells its later calls from late members
+GROUP_FAILURE = "group failure"
 
 
 class Response(NamedTuple):
