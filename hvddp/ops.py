@@ -20,6 +20,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ._dtypes import bfloat16
 from .backends import device as _device  # protocol checks only; imports no CuPy
 from .engine.executor import Entry
 from .engine.messages import Kind, ReduceOp, Request
@@ -55,14 +56,9 @@ _DTYPE_NAMES = {np.dtype(n): n for n in SUPPORTED_DTYPES if n != "bfloat16"}
 
 
 def _learn_bfloat16(dtype: np.dtype) -> bool:
-    """Whether ``dtype`` is ml_dtypes' bfloat16, which then joins ``_DTYPE_NAMES``. Not imported
-    up front: importing ml_dtypes takes 0.7 s here (most of ``import hvddp``), and an array of its
-    bfloat16 exists only once something has imported it."""
-    if dtype.name != "bfloat16" or "ml_dtypes" not in sys.modules:
-        return False
-    import ml_dtypes
-
-    if dtype != ml_dtypes.bfloat16:
+    """Whether ``dtype`` is ml_dtypes' bfloat16, which then joins ``_DTYPE_NAMES`` (not imported
+    up front: see hvddp._dtypes)."""
+    if dtype.name != "bfloat16" or "ml_dtypes" not in sys.modules or dtype != bfloat16():
         return False
     _DTYPE_NAMES[dtype] = "bfloat16"
     return True

@@ -17,6 +17,7 @@ import numpy as np
 import hvddp
 
 from hvddp import _grouping, _staged
+from hvddp._dtypes import bfloat16
 
 
 def name() -> str:
@@ -60,9 +61,7 @@ def _torch_to_numpy(t: Any) -> np.ndarray:
 
     t = t.detach()
     if t.dtype == torch.bfloat16:
-        import ml_dtypes
-
-        return t.cpu().contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.cpu().contiguous().view(torch.int16).numpy().view(bfloat16())
     return t.cpu().numpy()
 
 

@@ -9,23 +9,17 @@ import numpy as np
 import torch
 
 import hvddp
+from hvddp._dtypes import bfloat16
 
 log = logging.getLogger("hvddp")
 
 _NUMPY_OF = {
     torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32,
-    torch.int64: np.int64, torch.float16: np.float16, torch.bfloat16: None,  # (ml_dtypes', see _bfloat16)
+    torch.int64: np.int64, torch.float16: np.float16, torch.bfloat16: None,  # (ml_dtypes', imported on first use: hvddp._dtypes)
     torch.float32: np.float32, torch.float64: np.float64, torch.bool: np.bool_,
 }
 SUPPORTED = ", ".join(str(d).replace("torch.", "") for d in _NUMPY_OF)
 _warned_staging = False
-
-
-def _bfloat16() -> np.dtype:
-    """ml_dtypes' bfloat16, imported on first use (the import takes 0.7 s here)."""
-    import ml_dtypes
-
-    return np.dtype(ml_dtypes.bfloat16)
 
 
 class TensorArgumentError(TypeError):
@@ -94,7 +88,7 @@ def as_numpy(tensor: torch.Tensor) -> np.ndarray:
     if tensor.is_neg() or tensor.is_conj():
         tensor = tensor.resolve_neg().resolve_conj()
     if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(_bfloat16())
+        return tensor.view(torch.int16).numpy().view(bfloat16())
     return tensor.numpy()
 
 

@@ -27,6 +27,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .._dtypes import bfloat16
 from ..engine.executor import joined_value
 from ..engine.messages import Kind, ReduceOp, Request
 from ..exceptions import HvddpError
@@ -368,7 +369,7 @@ class GpuExecutor:
         host = self._host_buffer(wire, buf.size)
         buf.get(stream=stream, out=host)
         stream.synchronize()
-        values = host.view(_bfloat16()) if wire == "bfloat16" else host  # (stored as uint16 bits)
+        values = host.view(bfloat16()) if wire == "bfloat16" else host  # (stored as uint16 bits)
         layout = []
         ends = list(plan.offsets[1:]) + [plan.total]
         for start, n, end in zip(plan.offsets, plan.counts, ends):
@@ -500,21 +501,13 @@ class _HostEntry:
         self.output = output
 
 
-def host_dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
-
 def _to_host(array, dtype: str, stream) -> np.ndarray:
     """A host copy of a device array (enqueued on ``stream``; synchronize before reading)."""
     import cupyx
 
     host = cupyx.empty_pinned(array.shape, dtype=storage_dtype(dtype))
     array.get(stream=stream, out=host)
-    return host.view(host_dtype(dtype)) if dtype == "bfloat16" else host
+    return host.view(bfloat16()) if dtype == "bfloat16" else host
 
 
 def _bits(array: np.ndarray) -> np.ndarray:
@@ -522,9 +515,3 @@ def _bits(array: np.ndarray) -> np.ndarray:
     if array.dtype.name == "bfloat16":
         return array.view(np.uint16)
     return array
-
-
-def _bfloat16():
-    import ml_dtypes
-
-    return np.dtype(ml_dtypes.bfloat16)

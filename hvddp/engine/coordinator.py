@@ -150,9 +150,9 @@ class Coordinator:
         its code met an error since the failure (``Request.raised``); one made after is a new
         call (a retry, or the next step), and the rank owes nothing more."""
         for request in requests:
+            key = request.key()
             for attempt in [a for a in self._attempts if rank in a.owed]:
                 raised, keys = attempt.owed[rank]
-                key = request.key()
                 if request.raised > raised:
                     self._forgive(attempt, rank)
                 elif key in keys:
@@ -279,9 +279,9 @@ class Coordinator:
                 for request in waiting.requests.values():
                     if request.group is not None:
                         failed_groups.setdefault(request.group[0], responses[-1].error)
-                        seen.setdefault(key, (dict(waiting.requests), responses[-1].error))
+                        seen.setdefault(key, (waiting.requests, responses[-1].error))
             elif responses[-1].request.group is not None:
-                ran[key] = dict(waiting.requests)
+                ran[key] = waiting.requests  # (popped: no longer changes)
             if self.timeline:
                 self.timeline.negotiate_end(key)
         if failed_groups:  # a group is atomic: no member runs when one fails
@@ -315,7 +315,7 @@ class Coordinator:
             if gid is None:
                 continue
             del self.table[key]
-            seen[key] = (dict(waiting.requests), failed_groups[gid])
+            seen[key] = (waiting.requests, failed_groups[gid])
             request = next(iter(waiting.requests.values()))
             responses.append(Response(request.kind, key[0], key[1], failed_groups[gid], request))
             if self.timeline:

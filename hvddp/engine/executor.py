@@ -23,6 +23,7 @@ except ImportError:  # pragma: no cover - numpy 1.x
     _byte_bounds = np.byte_bounds
 
 
+from .._dtypes import numpy_dtype as _dtype
 from ..exceptions import HvddpError
 from ..handles import RAISED as _RAISED
 from .messages import Kind, ReduceOp, Request
@@ -68,13 +69,6 @@ class Entry:
     def fail(self, error: BaseException) -> None:
         self.handle._fail(error)
 
-
-def _dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
 
 
 class Executor:

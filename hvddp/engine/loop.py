@@ -450,8 +450,8 @@ class Engine:
         for entry in unsent:
             entry.state = SENT
         # (a cached name demoted after waiting says how long: the stall clock counts from its submission)
-        late = now - 0.05
-        requests = [e.request if e.submitted > late and not e.raised else
+        fresh = now - 0.05
+        requests = [e.request if e.submitted > fresh and not e.raised else
                     e.request._replace(waited=max(0.0, now - e.submitted), raised=e.raised) for e in unsent]
         payload = np.frombuffer(pickle.dumps(requests, protocol=5), dtype=np.uint8)
         comm = self.comm
