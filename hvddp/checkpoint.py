@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import glob
+import operator
 import os
 import pickle
 import uuid
@@ -43,8 +44,17 @@ class CheckpointError(HvddpError):
     """The root rank could not write or read a checkpoint; raised on every rank alike."""
 
 
+# room left in a file name (255 bytes on Linux file systems) for ".tmp.<pid>.<12 hex digits>"
+_NAME_ROOM = 255 - len(".tmp.4194304.") - 12 - 1
+
+
 def _tmp_prefix(path: str) -> str:
+    """The start of the temporary files' names for ``path``: ``.<name>.tmp.``, with ``<name>``
+    shortened when the whole would not fit in a file name."""
     directory, name = os.path.split(os.path.abspath(path))
+    raw = os.fsencode(name)
+    if len(raw) > _NAME_ROOM:
+        name = os.fsdecode(raw[:_NAME_ROOM])  # (a character cut in two keeps its bytes)
     return os.path.join(directory, f".{name}.tmp.")
 
 
@@ -126,12 +136,27 @@ def _writer_alive(suffix: str) -> bool:
 
 
 def file_path(path: Any, fn: str) -> str:
-    """``path`` as a str, or a TypeError naming ``fn``'s argument."""
+    """``path`` as a str, or an error naming ``fn``'s argument (TypeError; ValueError when empty)."""
     try:
-        return os.fsdecode(os.fspath(path))  # (bytes as str: the temporary name is built from it)
+        path = os.fsdecode(os.fspath(path))  # (bytes as str: the temporary name is built from it)
     except TypeError:
         raise TypeError(f"{fn}: path must be a file path (str, bytes or os.PathLike); Received: "
                         f"path={path!r} ({type(path).__name__}).") from None
+    if not path:
+        raise ValueError(f"{fn}: path must name a file; Received: path={path!r}.")
+    return path
+
+
+def counter(value: Any, fn: str, arg: str) -> int:
+    """An ``epoch``/``step`` argument as a Python int (numpy integers too), or a TypeError: the
+    file must load with the loaders' safe defaults, which refuse numpy scalars."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{fn}: {arg} must be an int; Received: {arg}={value!r} "
+                        f"({type(value).__name__}).") from None
 
 
 def _members(process_set: ProcessSet) -> List[int]:
@@ -289,8 +314,9 @@ def _read(fn: str, path: Any, root_rank: Any, process_set: ProcessSet) -> Option
     return read_agreed(path, root_rank, process_set)
 
 
-def read_agreed(path: str, root_rank: int, process_set: ProcessSet) -> Optional[bytes]:
-    """``load_bytes`` for a call whose arguments every rank has already agreed on (``agree``)."""
+def read_agreed(path: str, root_rank: int, process_set: ProcessSet, with_path: bool = False) -> Any:
+    """``load_bytes`` for a call whose arguments every rank has already agreed on (``agree``);
+    with ``with_path``, ``(bytes or None, the root's path)``, for errors that name the file read."""
     from .ops import broadcast, broadcast_object
 
     payload = None
@@ -304,9 +330,12 @@ def read_agreed(path: str, root_rank: int, process_set: ProcessSet) -> Optional[
             header = ("missing", 0)
         except Exception as exc:
             header = ("error", f"{type(exc).__name__}: {exc}")
-    status, value = broadcast_object(header, root_rank, name="__hvddp.checkpoint.header", process_set=process_set)
+        header += (path,)
+    # (the root's path: where each rank passed its own, the errors name the file that was read)
+    status, value, path = broadcast_object(header, root_rank, name="__hvddp.checkpoint.header",
+                                           process_set=process_set)
     if status == "missing":
-        return None
+        return (None, path) if with_path else None
     if status == "error":
         raise CheckpointError(f"checkpoint {path!r}: rank {root_rank} could not read it ({value}).")
     if payload is not None:
@@ -314,7 +343,8 @@ def read_agreed(path: str, root_rank: int, process_set: ProcessSet) -> Optional[
     else:
         buf = np.empty(value, dtype=np.uint8)
     buf = broadcast(buf, root_rank, name="__hvddp.checkpoint.data", process_set=process_set)
-    return payload if payload is not None else buf.tobytes()
+    data = payload if payload is not None else buf.tobytes()
+    return (data, path) if with_path else data
 
 
 def save(obj: Any, path: Union[str, os.PathLike], root_rank: Optional[int] = None,
@@ -342,8 +372,9 @@ def load(path: Union[str, os.PathLike], default: Any = None, root_rank: Optional
     Raises:
         CheckpointError: on every rank, when the file cannot be read or unpickled.
     """
-    data = _read("load", path, root_rank, process_set)
-    return default if data is None else unpickled(file_path(path, "load"), data)
+    path, root_rank = _checked("load", path, root_rank, process_set)
+    data, path = read_agreed(path, root_rank, process_set, with_path=True)
+    return default if data is None else unpickled(path, data)
 
 
 def unpickled(path: str, data: bytes) -> Any:

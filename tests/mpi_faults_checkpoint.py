@@ -183,5 +183,34 @@ if rank == 0:
     checkpoint.atomic_write(link, b"new")
     assert os.path.islink(link) and open(target, "rb").read() == b"new"
 
+# An empty path raises (it loaded as a fresh start, and a save wrote a temporary file in the
+# parent directory); a name too long for a temporary name beside it is still saved (the
+# temporary name ran past 255 bytes); numpy integers as epoch/step are saved as ints (the default
+# weights_only load refused the file at resume time), a non-integer is refused on every rank.
+raises(ValueError, ["load: path must name a file", "path=''"], checkpoint.load, "", default=1)
+raises(ValueError, ["load_checkpoint: path must name a file"], torch_checkpoint.load_checkpoint, "", two)
+long_name = os.path.join(directory, "c" * 240)
+checkpoint.save({"long": 1}, long_name)
+assert checkpoint.load(long_name) == {"long": 1}
+assert not [n for n in os.listdir(directory) if ".tmp." in n]
+counted = os.path.join(directory, "counted.pt")
+torch_checkpoint.save_checkpoint(counted, two, epoch=np.int64(2), step=np.int32(7))
+state = torch_checkpoint.load_checkpoint(counted, two)
+assert (state["epoch"], state["step"]) == (2, 7) and type(state["epoch"]) is int, state
+raises(TypeError, ["save_checkpoint: epoch must be an int", "epoch=1.5"],
+       torch_checkpoint.save_checkpoint, counted, two, epoch=1.5)
+# where each rank passes its own path, the errors name the file rank 0 read (rank 1 named its own)
+own = os.path.join(directory, "garbage.pkl" if rank == 0 else "absent.pkl")
+raises(checkpoint.CheckpointError, [f"checkpoint {garbage!r} is not a valid"], checkpoint.load, own)
+# a scheduler of another class is refused like an optimizer of another class (it loaded, and
+# the cosine schedule went on with the step schedule's attributes)
+sched_net = torch.nn.Linear(2, 2)
+sgd = torch.optim.SGD(sched_net.parameters(), lr=1.0)
+torch_checkpoint.save_checkpoint(counted, sched_net, sgd, scheduler=torch.optim.lr_scheduler.StepLR(sgd, 1))
+cosine = torch.optim.lr_scheduler.CosineAnnealingLR(sgd, T_max=10)
+raises(checkpoint.CheckpointError, ["holds the state of scheduler class StepLR",
+                                    "load_checkpoint was given class CosineAnnealingLR"],
+       torch_checkpoint.load_checkpoint, counted, sched_net, sgd, scheduler=cosine)
+
 sys.stdout.write(f"rank {rank}: CHECKPOINT OK\n")
 sys.stdout.flush()

@@ -191,8 +191,8 @@ def save_checkpoint(path: Union[str, os.PathLike], model: keras.Model, optimizer
         path: the checkpoint file (replaced atomically; the directory is created).
         model: a built Keras model.
         optimizer: the optimizer whose variables to save; ``model.optimizer`` when None.
-        epoch: saved as is (use it as ``fit(initial_epoch=...)``).
-        step: saved as is.
+        epoch: an int (numpy integers are converted; use it as ``fit(initial_epoch=...)``).
+        step: an int, likewise.
         extra: more picklable state.
         rng: save every rank's seed-generator and global RNG states (a small gather).
         root_rank: the rank that writes: a global rank in ``process_set``; by default its first
@@ -204,8 +204,12 @@ def save_checkpoint(path: Union[str, os.PathLike], model: keras.Model, optimizer
         MismatchError: on every rank, when the ranks passed different arguments (``rng``,
             ``root_rank``, which objects) or one rank's were invalid (it raises its own error).
     """
+    counters = {}
+
     def describe() -> Dict[str, Any]:  # checked on every rank at once: the gathers below need the same
         _check_arguments("save_checkpoint", path, model)
+        counters.update(epoch=_core.counter(epoch, "save_checkpoint", "epoch"),
+                        step=_core.counter(step, "save_checkpoint", "step"))
         return {"root_rank": _core.root_of(root_rank, "save_checkpoint", process_set), "rng": bool(rng),
                 **_given(model, optimizer), "_built": bool(model.built)}
 
@@ -230,7 +234,7 @@ def save_checkpoint(path: Union[str, os.PathLike], model: keras.Model, optimizer
         per_rank = hvddp.allgather_object(mine, name="__hvddp.keras.checkpoint.rng", process_set=process_set)
 
     def data(f):  # the root gathers the state in here: a failure is reported on every rank
-        state = {"format": FORMAT, "size": process_set.size(), "epoch": epoch, "step": step,
+        state = {"format": FORMAT, "size": process_set.size(), **counters,
                  "variables": _values(shared),
                  "optimizer": _values(optimizer.variables) if optimizer is not None else None,
                  "optimizer_kind": _kind(optimizer), "extra": extra, "rng": per_rank}
@@ -268,7 +272,7 @@ def load_checkpoint(path: Union[str, os.PathLike], model: keras.Model, optimizer
 
     root_rank = _core.agree("load_checkpoint", describe, process_set)[0]["root_rank"]
     path = _core.file_path(path, "load_checkpoint")
-    data = _core.read_agreed(path, root_rank, process_set)
+    data, path = _core.read_agreed(path, root_rank, process_set, with_path=True)  # (errors name the file read)
     if data is None:
         return None
     state = _core.unpickled(path, data)

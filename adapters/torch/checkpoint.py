@@ -17,7 +17,11 @@
 A checkpoint holds the model's and optimizer's (and an LR scheduler's) state dicts, the epoch
 and step, any ``extra`` you pass, and the RNG state of every rank (Python ``random``, NumPy's
 global generator, torch's CPU generator and the CUDA generators), so that a job restarted from it
-continues exactly as the uninterrupted job would have: same dropout masks, same shuffles. The
+continues exactly as the uninterrupted job would have: same dropout masks, same shuffles, as long
+as it makes the same random draws after the load. (Each iterator over a ``DataLoader`` draws a seed
+from torch's global generator when it starts; a job resumed mid-epoch starts one more than the
+uninterrupted job did, which shifts every later draw. Give the loader a generator of its own,
+``DataLoader(..., generator=torch.Generator())``, and the global draws stay the same.) The
 model's state dict is rank 0's: buffers that replicas keep apart (plain ``BatchNorm`` running
 statistics, each rank's from its own shard) come back as rank 0's on every rank; ``SyncBatchNorm``
 keeps them equal everywhere, so its runs resume bit-identically.
@@ -97,11 +101,11 @@ def save_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Modu
         path: the checkpoint file (replaced atomically; the directory is created).
         model: its ``state_dict()`` is saved (rank 0's; replicas are identical).
         optimizer: a torch optimizer or ``hvddp.torch.DistributedOptimizer``; its state dict.
-        epoch: saved as is; ``load_checkpoint`` returns it.
-        step: saved as is; ``load_checkpoint`` returns it.
+        epoch: an int (numpy integers are converted); ``load_checkpoint`` returns it.
+        step: an int, likewise.
         scheduler: anything with ``state_dict()``/``load_state_dict()`` (an LR scheduler).
         extra: more state to keep (tensors, numbers, strings, lists, dicts; other objects need
-            ``load_checkpoint(weights_only=False)``).
+            ``load_checkpoint(weights_only=False)``, and the root logs a warning saying so).
         rng: save every rank's RNG states (a small gather).
         root_rank: the rank that writes: a global rank in ``process_set``; by default its first
             member (rank 0 for the global set).
@@ -112,8 +116,12 @@ def save_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Modu
         MismatchError: on every rank, when the ranks passed different arguments (``rng``,
             ``root_rank``, which objects) or one rank's were invalid (it raises its own error).
     """
+    counters = {}
+
     def describe() -> Dict[str, Any]:  # checked on every rank at once, and this rank's RNG states
         _core.file_path(path, "save_checkpoint")
+        counters.update(epoch=_core.counter(epoch, "save_checkpoint", "epoch"),
+                        step=_core.counter(step, "save_checkpoint", "step"))
         return {"root_rank": _core.root_of(root_rank, "save_checkpoint", process_set), "rng": bool(rng),
                 **_given(model, optimizer, scheduler), "_rng": rng_state() if rng else None}
 
@@ -123,13 +131,16 @@ def save_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Modu
 
     def data(f):  # the root gathers the state in here: a failure is reported on every rank
         state = {
-            "format": FORMAT, "size": process_set.size(), "epoch": epoch, "step": step,
+            "format": FORMAT, "size": process_set.size(), **counters,
             "model": model.state_dict() if model is not None else None,
             "optimizer": optimizer.state_dict() if optimizer is not None else None,
             "optimizer_class": type(optimizer).__name__ if optimizer is not None else None,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "scheduler_class": type(scheduler).__name__ if scheduler is not None else None,
             "extra": extra, "rng": rngs,
         }
+        if extra is not None:
+            _warn_unsafe(path, extra)
         torch.save(state, f)
 
     # (the arguments are agreed above: written without a second check)
@@ -179,7 +190,7 @@ def load_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Modu
 
     root_rank = _core.agree("load_checkpoint", describe, process_set)[0]["root_rank"]
     path = _core.file_path(path, "load_checkpoint")
-    data = _core.read_agreed(path, root_rank, process_set)
+    data, path = _core.read_agreed(path, root_rank, process_set, with_path=True)  # (errors name the file read)
     if data is None:
         return None
     given = [(what, obj) for what, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler))
@@ -230,16 +241,35 @@ def _read(path: str, data: bytes, map_location: Any, weights_only: bool) -> Dict
     return state
 
 
+def _warn_unsafe(path: Any, extra: Any) -> None:
+    """Warn, when saving, that ``extra`` holds objects the default ``load_checkpoint`` refuses
+    (``torch.load(weights_only=True)``: numpy scalars and arrays, instances of your classes), so
+    that it is not found only at resume time."""
+    buf = io.BytesIO()
+    torch.save(extra, buf)
+    buf.seek(0)
+    try:
+        torch.load(buf, weights_only=True)
+    except Exception as exc:  # what torch's safe unpickler says it refused
+        lines = [line.strip() for line in str(exc).splitlines() if "Unpickler error" in line]
+        why = lines[0].split(" Please use")[0] if lines else f"{type(exc).__name__}: {exc}"
+        log.warning("save_checkpoint %r: extra holds objects that load_checkpoint refuses with its "
+                    "default weights_only=True (%s); load it with weights_only=False (files you trust), or "
+                    "keep tensors, Python numbers, strings, lists and dicts in extra (e.g. float(x), "
+                    "torch.from_numpy(a)).", os.fspath(path), why[:300])
+
+
 def _check_fits(path: str, state: Dict[str, Any], given: list, model: Any, optimizer: Any) -> None:
     """Refuse a saved state that the objects given cannot take, before any is loaded."""
     for what, obj in given:
         if state[what] is None:
             raise _core.CheckpointError(f"checkpoint {path!r} has no {what} state, but "
                                         f"load_checkpoint was given a {what}.")
-    saved_class = state.get("optimizer_class")  # (files from before it was saved have none)
-    if optimizer is not None and saved_class not in (None, type(optimizer).__name__):
-        raise _core.CheckpointError(f"checkpoint {path!r} holds the state of optimizer class {saved_class}"
-                                    f"; load_checkpoint was given class {type(optimizer).__name__}.")
+    for what, obj in given:  # (files from before a class was saved have none)
+        saved_class = state.get(f"{what}_class")
+        if what != "model" and saved_class not in (None, type(obj).__name__):
+            raise _core.CheckpointError(f"checkpoint {path!r} holds the state of {what} class {saved_class}"
+                                        f"; load_checkpoint was given class {type(obj).__name__}.")
     if model is not None:
         _check_model_fits(path, model, state["model"])
     if optimizer is not None:
