@@ -729,11 +729,78 @@ def test_too_many_backward_passes_is_an_error():
         F.mse_loss(model(shard(x)), shard(y)).backward()
     with pytest.raises(RuntimeError, match="more than backward_passes_per_step=2"):
         F.mse_loss(model(shard(x)), shard(y)).backward()
-    # autograd added the third pass into the gradient before the hook refused it: that
-    # gradient changed after it went out; synchronize() says so, and leaves a clean state
-    with pytest.raises(hvd.HvddpError, match="modified in place"):
+    # autograd added the third pass into the gradient before the hook refused it: synchronize()
+    # says that (it said the gradient was "modified in place or replaced (e.g. by
+    # clip_grad_norm_)"), applies nothing, and leaves a clean state
+    with pytest.raises(hvd.HvddpError, match=r"not averages of 2 backward pass.*'fc\d\.\w+' was accumulated once more"):
         opt.synchronize()
     opt.zero_grad()
+    for _ in range(2):
+        F.mse_loss(model(shard(x)), shard(y)).backward()
+    opt.step()
+    assert_replicas_identical(model, "passes.recovered")
+
+
+@pytest.mark.parametrize("differs", ["compression", "compression grouped", "sparse_as_dense"])
+def test_ranks_wrapped_with_different_settings_fail_every_rank(differs):
+    """A float32 gradient goes out as float32 under every compression, so rank 0 under
+    Compression.none and rank 1 under fp16 reduced alike and only rank 1 rounded: the replicas
+    parted silently. A rank with sparse_as_dense sent dense what rank 0 allgathered, and rank 0
+    waited for ever. Now every rank raises, and nothing is updated."""
+    if N == 1:
+        return
+    torch.manual_seed(0)
+    if differs == "sparse_as_dense":
+        model = torch.nn.Embedding(10, 3, sparse=True)
+        kwargs = {"sparse_as_dense": R == 1}
+    else:
+        model = Net()
+        kwargs = {"compression": hvd.Compression.none if R == 0 else
+                  hvd.Compression.fp16 if differs == "compression" else
+                  (hvd.Compression.fp16 if R % 2 else hvd.Compression.bf16)}
+        if differs == "compression grouped":
+            kwargs["groups"] = 1
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), **kwargs)
+    before = flat(model).clone()
+    for step in range(2):  # and again: the wrapper is not left half-way
+        opt.zero_grad()
+        if differs == "sparse_as_dense":
+            model(torch.tensor([1, 2 + R])).sum().backward()
+        else:
+            x, y = batch(step)
+            shard_loss(model, x, y, R).backward()
+        with pytest.raises(hvd.HvddpError, match="wrapped their optimizers with different settings"):
+            opt.step()
+        assert torch.equal(flat(model), before)
+    assert hvd.allreduce(torch.ones(1), name="after.settings", op=hvd.Sum).item() == N
+
+
+def test_step_with_a_closure_inside_skip_synchronize_is_refused():
+    """The closure's backward() made gradients the block kept from being averaged: the update
+    used each rank's own (the replicas parted silently) and the next zero_grad() blamed a
+    missing step()."""
+    model, ref, opt, ref_opt = _pair()
+    x, y = batch(0)
+    before = flat(model).clone()
+
+    def closure():
+        opt.zero_grad()
+        loss = shard_loss(model, x, y, R)
+        loss.backward()
+        return loss
+
+    if N > 1:
+        with pytest.raises(hvd.HvddpError, match=r"step\(closure\) ran inside .*skip_synchronize"):
+            with opt.skip_synchronize():
+                opt.step(closure)
+        assert torch.equal(flat(model), before)
+    opt.zero_grad()
+    (sum(shard_loss(ref, x, y, s) for s in range(N)) / N).backward()
+    ref_opt.step()
+    opt.step(closure)
+    assert_parity(model, ref)
+    assert_replicas_identical(model, "skip.closure")
 
 
 def test_mismatched_models_fail_on_every_rank():
@@ -1122,6 +1189,24 @@ def test_a_gradient_changed_before_it_was_averaged_is_an_error_and_the_recipe_wo
         ref_opt.step()
     assert_parity(model, ref)
     assert_replicas_identical(model, "clip.recipe")
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_a_compressed_copy_changed_before_it_was_averaged_is_an_error(name):
+    """float64 gradients go out as compressed copies: with every gradient reduced through a
+    copy, a clip before step() was overwritten by the average without a word (HVDDP_OVERLAP=1)."""
+    torch.manual_seed(0)
+    model = Net().double()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   compression=getattr(hvd.Compression, name))
+    x, y = batch(0)
+    F.mse_loss(model(shard(x).double()), shard(y).double()).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    if N > 1:
+        with pytest.raises(hvd.HvddpError, match="modified in place or replaced"):
+            opt.step()
+    opt.zero_grad()
 
 
 class Joined(torch.nn.Module):

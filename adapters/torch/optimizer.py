@@ -179,6 +179,22 @@ class _Rounded:
 _ROUNDING = (Compression.fp16, Compression.bf16)
 
 
+_COMPRESSION_CODES = {Compression.none: 0, Compression.fp16: 1, Compression.bf16: 2}  # 3: another compressor
+
+
+def _describe_settings(code: int) -> str:
+    names = ["Compression.none", "Compression.fp16", "Compression.bf16", "another compressor"]
+    return f"compression={names[code % 4]}, sparse_as_dense={bool(code // 4)}"
+
+
+def _settings_differ(high: int, low: int) -> str:
+    """The error for ranks that wrapped their optimizers with different settings."""
+    return (f"DistributedOptimizer: the ranks wrapped their optimizers with different settings (some rank "
+            f"with {_describe_settings(high)}, another with {_describe_settings(low)}): their gradients would "
+            f"be averaged differently and the replicas would part. No update was applied. Pass the same "
+            f"compression and sparse_as_dense on every rank.")
+
+
 def _had_code(grad: Optional[torch.Tensor]) -> int:
     """A gradient's byte in the step's presence reduction: 1 dense, 1 + sparse dimensions if sparse."""
     return 1 + grad.sparse_dim() if grad is not None and grad.layout == torch.sparse_coo else 1
@@ -225,6 +241,8 @@ class _DistributedOptimizer(WrapperCommon):
         self._hvddp_pre = 1.0 / gradient_predivide_factor if op is Average else 1.0
         self._hvddp_post = float(gradient_predivide_factor) if op is Average else 1.0
         self._hvddp_sparse_as_dense = bool(sparse_as_dense)
+        # what every rank must share and no reduction compares, as one byte (see _hvddp_synchronize)
+        self._hvddp_settings = _COMPRESSION_CODES.get(compression, len(_COMPRESSION_CODES)) + 4 * bool(sparse_as_dense)
         self._hvddp_sparse_params = set()  # known to get sparse gradients (here or on a peer)
         self._hvddp_filled = set()  # without a gradient here this step (zeros, or no sparse rows)
         self._hvddp_process_set = process_set
@@ -246,6 +264,7 @@ class _DistributedOptimizer(WrapperCommon):
         self._hvddp_versions: Dict[torch.Tensor, tuple] = {}  # deferred gradients (and versions) at their hook
         self._hvddp_synchronized = False
         self._hvddp_should_synchronize = True
+        self._hvddp_overrun: Optional[str] = None  # a gradient accumulated once too often this step
         self._hvddp_hooks = []
         self._hvddp_active = process_set.size() > 1 and process_set.included()
         self._hvddp_defer_cpu = self._hvddp_active and _defer_cpu_gradients()
@@ -295,6 +314,7 @@ class _DistributedOptimizer(WrapperCommon):
     def _hvddp_hook(self, p: torch.Tensor) -> None:
         delay = self._hvddp_delay[p]
         if delay <= 0:
+            self._hvddp_overrun = self._hvddp_names[p]  # (step() then says why it refuses)
             raise too_many_passes(self, p)
         delay -= 1
         self._hvddp_delay[p] = delay
@@ -373,7 +393,9 @@ class _DistributedOptimizer(WrapperCommon):
                                               f"{self._hvddp_prefix}group.{gi}", self._hvddp_op,
                                               self._hvddp_pre, self._hvddp_post, ps,
                                               [self._hvddp_full_names[p] for p, _, _, _ in dense])
-        watch = [(self._hvddp_names[p], p, sent) for p, sent, _, _ in dense if sent is p.grad]  # in place
+        # the gradients reduced in place, and those whose copy was sent: finish writes the average
+        # over them, so a change made meanwhile (clipping) must not be lost silently either
+        watch = [(self._hvddp_names[p], p, p.grad) for p, _, _, _ in dense if p.grad is not None]
         self._hvddp_flights.append(_Flight(handle, dense, gi is not None, watch))
 
     def _hvddp_sparse_flight(self, p: torch.Tensor, grad: Optional[torch.Tensor]) -> _Flight:
@@ -457,18 +479,32 @@ class _DistributedOptimizer(WrapperCommon):
         # momentum or weight decay, and SparseAdam refuses them); one that some rank had sparse
         # and this rank filled with dense zeros (in a group, or with sparse_as_dense) is made
         # sparse here too, as that rank's is, so that every rank's update takes it alike
+        # The same reduction carries the wrapper's settings that no reduction compares (a float32
+        # gradient goes as float32 under every compression; a sparse_as_dense rank sends dense
+        # what another allgathers, and only the latter would retry): the byte and its complement,
+        # so that the maximum shows whether every rank has the same. It is awaited first: with
+        # different settings no rank retries, and every rank raises.
         params, filled = self._hvddp_params, self._hvddp_filled
-        had = np.fromiter((0 if p in filled else _had_code(p.grad) for p in params), dtype=np.uint8,
-                          count=len(params))
+        n = len(params)
+        had = np.empty(n + 2, dtype=np.uint8)
+        had[:n] = np.fromiter((0 if p in filled else _had_code(p.grad) for p in params), dtype=np.uint8, count=n)
+        had[n], had[n + 1] = self._hvddp_settings, 255 - self._hvddp_settings
         had_handle = hvddp.allreduce_async_(had, None, self._hvddp_prefix[:-1] + ":had", hvddp.Max,
                                             process_set=self._hvddp_process_set)
+        errors, retries, had_error = [], [], None
+        try:
+            hvddp.synchronize(had_handle)
+        except Exception as exc:  # raised after the flights' errors, which say more (a wrapper of
+            had_error, had = exc, None  # another kind on some rank sends another length here)
+        else:
+            if int(had[n]) + int(had[n + 1]) != 255:  # some rank's settings differ from another's
+                errors.append(MismatchError(_settings_differ(int(had[n]), 255 - int(had[n + 1]))))
         flights, self._hvddp_flights = self._hvddp_flights, []
-        errors, retries = [], []
         for flight in flights:
             try:
                 flight.finish(self._hvddp_compression)
             except MismatchError as exc:
-                retry = self._hvddp_sparse_retry(flight, exc)
+                retry = None if errors or had_error else self._hvddp_sparse_retry(flight, exc)
                 if retry is None:
                     errors.append(exc)
                 else:
@@ -480,19 +516,16 @@ class _DistributedOptimizer(WrapperCommon):
                 flight.finish(self._hvddp_compression)
             except Exception as exc:
                 errors.append(exc)
-        try:
-            hvddp.synchronize(had_handle)
-        except Exception as exc:
-            errors.append(exc)
-        else:
-            if filled and not errors:
-                for p, code in zip(params, had.tolist()):
-                    if p not in filled:
-                        continue
-                    if code == 0:
-                        p.grad = None
-                    elif code > 1 and p.grad is not None and p.grad.layout == torch.strided:
-                        p.grad = p.grad.to_sparse(code - 1)
+        if had_error is not None:
+            errors.append(had_error)
+        elif filled and not errors:
+            for p, code in zip(params, had.tolist()):
+                if p not in filled:
+                    continue
+                if code == 0:
+                    p.grad = None
+                elif code > 1 and p.grad is not None and p.grad.layout == torch.strided:
+                    p.grad = p.grad.to_sparse(code - 1)
         self._hvddp_filled = set()
         for p in self._hvddp_touched:
             self._hvddp_delay[p] = self._hvddp_bpps
@@ -502,6 +535,13 @@ class _DistributedOptimizer(WrapperCommon):
         self._hvddp_submitted.clear()
         self._hvddp_group_ready.clear()
         self._hvddp_synchronized = True
+        overrun, self._hvddp_overrun = self._hvddp_overrun, None
+        if overrun is not None:  # (the extra pass also shows as a gradient changed in flight)
+            raise HvddpError(
+                f"this step's gradients are not averages of {self._hvddp_bpps} backward pass(es): the "
+                f"gradient of {overrun!r} was accumulated once more (backward() raised then), and that "
+                f"pass added into gradients already being averaged. No update was applied; call "
+                f"zero_grad() and run the step again.")
         if errors:
             raise errors[0]
         if modified:
@@ -556,6 +596,19 @@ class _DistributedOptimizer(WrapperCommon):
                 "backward() and before the skip_synchronize() block (then clip, then step()).")
         if grad_scaler is not None:
             return self._hvddp_scaled_step(closure, grad_scaler)
+        if self._hvddp_active and not self._hvddp_should_synchronize and closure is not None:
+            unchecked = closure
+
+            def closure():  # its backward() makes gradients that this block keeps from averaging
+                loss = unchecked()
+                if self._hvddp_pending():
+                    self._hvddp_synchronize()  # (the names are free again on every rank)
+                    raise HvddpError(
+                        "step(closure) ran inside `with optimizer.skip_synchronize():`, and the closure's "
+                        "backward() made new gradients, which the block keeps from being averaged: the "
+                        "update would have used this rank's own. It was not applied. Call step(closure) "
+                        "outside the block: it averages what the closure computes.")
+                return loss
         if self._hvddp_active and self._hvddp_should_synchronize:
             if closure is not None:
                 inner = closure
