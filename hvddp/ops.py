@@ -767,7 +767,9 @@ def _process_set_call(what: str, check: Callable[[], Any]):
     announces the refusal under that name, so the others raise too instead of pairing it with
     this rank's next add or remove."""
     state, view = _process_set(global_process_set, f"{what}_process_set")
-    name = _auto_name(f"__process_set_{what}", global_process_set)
+    # adds and removes count together: an add on one rank meets a remove on another and both
+    # raise (with a counter each, their names never met, and both waited for ever)
+    name = _auto_name("__process_set_change", global_process_set)
     kind = Kind.ADD_PROCESS_SET if what == "add" else Kind.REMOVE_PROCESS_SET
     with _refusing(state, view, kind, [name]):
         result = check()
@@ -775,7 +777,7 @@ def _process_set_call(what: str, check: Callable[[], Any]):
 
 
 def _process_set_op(what: str, ps: ProcessSet, state, name: Optional[str] = None):
-    name = name or _auto_name(f"__process_set_{what}", global_process_set)
+    name = name or _auto_name("__process_set_change", global_process_set)
     if what == "add":
         state.pending_process_sets[name] = ps
         handle = _control(Kind.ADD_PROCESS_SET, name, global_process_set, "add_process_set",

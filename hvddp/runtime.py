@@ -47,7 +47,11 @@ class ProcessSet:
             self.ranks = None
             self._mpi_comm = ranks
         else:
-            ranks = list(ranks)
+            try:
+                ranks = list(ranks)
+            except TypeError:
+                raise TypeError(f"ProcessSet ranks must be a list of world ranks (or an MPI communicator); "
+                                f"Received: {ranks!r} ({type(ranks).__name__}).") from None
             if not all(isinstance(r, numbers.Integral) and not isinstance(r, bool) for r in ranks):
                 raise TypeError(f"ProcessSet ranks must be ints, got {ranks!r}.")
             ranks = [int(r) for r in ranks]  # (numpy integers too, as Horovod's sorted() takes them)

@@ -133,6 +133,18 @@ if after.included():
     assert hvddp.allreduce(np.full(1, float(rank)), name="after.refusal", op=hvddp.Sum, process_set=after).tolist() == [2.0]
 hvddp.remove_process_set(after)
 
+# 6a. an add on one rank while the others remove: MismatchError on every rank (adds and removes
+# took their names from separate counters, so the two never met and every rank waited for ever),
+# and the next calls still pair
+gone = hvddp.add_process_set([1, 2])
+try:
+    hvddp.add_process_set([0, 1]) if rank == 0 else hvddp.remove_process_set(gone)
+except hvddp.MismatchError as exc:
+    assert "add_process_set" in str(exc) and "remove_process_set" in str(exc), exc
+else:
+    raise AssertionError("an add on rank 0 paired with a remove on the others")
+hvddp.remove_process_set(gone)
+
 # 6b. a set's collectives do not wait on a rank outside it that calls nothing: every cycle is
 # world-wide, and the idle outsider slept 50 ms between its cycles (54 ms per allreduce on [1, 2])
 busy = hvddp.add_process_set([1, 2])

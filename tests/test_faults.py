@@ -303,6 +303,18 @@ def test_a_rank_that_cannot_allocate_ends_the_job_instead_of_hanging_it():
     assert elapsed < 15, f"took {elapsed:.1f} s\n{out}"
 
 
+def test_a_process_set_the_mpi_library_cannot_make_fails_every_rank():
+    """MPICH makes about 2,000 communicators per process, one per registered process set: the
+    add that finds none left stops the engine, and its call fails on every rank, naming the limit
+    and the fix (before, the call waited for ever: the engine failed only what was still pending)."""
+    result, elapsed = _timed(2, [SCRIPT, "communicators"], timeout=60)
+    out = result.stdout
+    for rank in (0, 1):
+        assert f"rank {rank}: ADD FAILED after" in out, out
+    assert "hvddp engine failed" in out and "remove_process_set()" in out, out
+    assert elapsed < 30, f"took {elapsed:.1f} s\n{out}"
+
+
 @pytest.mark.parametrize("log_level", [None, "ERROR"])
 def test_stall_without_shutdown_warns_after_check_time_and_recovers(log_level):
     """The warning is rank-prefixed, logged once by rank 0, and HVDDP_LOG_LEVEL=ERROR hides it."""

@@ -335,15 +335,19 @@ class Engine:
             try:
                 self.executor.run(work)
             except BaseException as exc:  # the engine stops; these are no longer pending anywhere
-                for _, entry, _ in work:
-                    if entry is not None:
-                        entry.fail(HvddpError(f"{entry.request.kind.value} {entry.request.name!r}: hvddp "
-                                              f"engine failed on rank {self.rank}: {exc!r}"))
+                self._fail_taken([entry for _, entry, _ in work] + [entry for _, entry in set_changes], exc)
                 raise
             finally:
                 wake_deferred()
-        for response, entry in set_changes:
-            self._change_process_set(response, entry)
+        for i, (response, entry) in enumerate(set_changes):
+            try:
+                self._change_process_set(response, entry)
+            except BaseException as exc:  # (making a communicator failed: MPICH's ~2,000 at most)
+                self._fail_taken([entry for _, entry in set_changes[i:]], exc,
+                                 "; every registered process set holds an MPI communicator, and an MPI "
+                                 "library makes a limited number (about 2,000 with MPICH): remove the "
+                                 "sets no longer used with remove_process_set()")
+                raise
         if shutting_down:
             self._shutdown_collectively()
             return False
@@ -563,6 +567,16 @@ class Engine:
             with self._lock:
                 self._names.discard(response.key())
             entry.complete(result)
+
+    def _fail_taken(self, entries: Sequence[Optional[Entry]], exc: BaseException, hint: str = "") -> None:
+        """Fail the entries a cycle took out of ``_pending`` when the engine stops in it (the
+        engine's own stop fails only what is still pending)."""
+        lines = str(exc).strip().splitlines()  # (an MPI error's last line says what went wrong)
+        why = f"{type(exc).__name__}: {lines[-1].strip()}" if lines else repr(exc)
+        for entry in entries:
+            if entry is not None:
+                entry.fail(HvddpError(f"{entry.request.kind.value} {entry.request.name!r}: hvddp "
+                                      f"engine failed on rank {self.rank}: {why}{hint}."))
 
     def _shutdown_collectively(self) -> None:
         who = self.comm.allgather(self._shutdown_requested)

@@ -75,6 +75,14 @@ if mode == "oom":  # rank 1 cannot allocate an allgather's output: it fails alon
     except hvddp.HvddpError as exc:
         say(f"rank {rank}: GATHER FAILED: {exc}")
     sys.exit(0)  # caught and gone on: the exit must end the job (rank 0 waits inside MPI)
+if mode == "communicators":  # process sets never removed, until MPI makes no more communicators
+    try:
+        for count in range(5000):
+            hvddp.add_process_set([0, 1])
+        say(f"rank {rank}: registered 5000")
+    except hvddp.HvddpError as exc:
+        say(f"rank {rank}: ADD FAILED after {count}: {exc}")
+    sys.exit(0)
 try:
     if mode == "skip_cached":  # the stall must end the job although every cycle has cached work
         x = np.ones(4)
