@@ -290,7 +290,9 @@ def _check_config_agrees(comm, cfg) -> None:
 def init(comm=None, process_sets: Union[None, str, Sequence[ProcessSet]] = None) -> None:
     """Initialize hvddp: MPI, the communicators and the background engine.
 
-    Idempotent: a second call while initialized does nothing. Collective: every rank calls it.
+    Idempotent: a second call while initialized does nothing (a process set it lists that is not
+    registered yet raises ``ValueError``: register it with ``add_process_set``). Collective:
+    every rank calls it.
     Without a launcher (``python train.py``) it is a size-1 run.
 
     Args:
@@ -306,6 +308,7 @@ def init(comm=None, process_sets: Union[None, str, Sequence[ProcessSet]] = None)
     global _S, _atexit_registered, _singleton_cleanup_registered
     with _lock:
         if _S is not None:
+            _refuse_late_sets(process_sets)
             return
         try:
             cfg, bad_env = _config.from_env(), None
@@ -608,6 +611,19 @@ def _check_process_sets(comm, process_sets) -> List[ProcessSet]:
             part._parts = siblings
         out += siblings
     return out
+
+
+def _refuse_late_sets(process_sets: Any) -> None:
+    """A second ``init()`` registers nothing: say so for a set it lists that is not registered,
+    rather than let a later collective call it unregistered after the user passed it to init."""
+    if not isinstance(process_sets, (list, tuple)):
+        return
+    late = [ps for ps in process_sets if isinstance(ps, ProcessSet) and ps.process_set_id is None]
+    if late:
+        how = ("a set made from a communicator can only be given to the first init()"
+               if late[0]._mpi_comm is not None else "register it with hvddp.add_process_set(ps) on every rank")
+        raise ValueError(f"init(process_sets=...): hvddp is already initialized, so this call registers "
+                         f"nothing, and {late[0]!r} is not registered; {how}.")
 
 
 def _checked_rank_list(comm: Sequence[Any], world_size: int):

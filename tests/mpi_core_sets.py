@@ -190,5 +190,18 @@ hvddp.remove_process_set(twice)
 assert sorted(_state().process_sets) == [0]
 hvddp.shutdown()
 hvddp.init(process_sets="dynamic")  # Horovod's switch for sets added later: accepted, not needed
-assert hvddp.add_process_set([0, 2]).size() == 2
+evens = hvddp.add_process_set([0, 2])
+assert evens.size() == 2
+# 9. a second init() registers nothing: a new set it lists raises (it used to be ignored, and the
+# set's first use said to pass it to init(process_sets=...), which had been done); a registered
+# one is fine
+late = hvddp.ProcessSet([0, 1])
+try:
+    hvddp.init(process_sets=[evens, late])
+except ValueError as exc:
+    assert "already initialized" in str(exc) and "add_process_set(ps)" in str(exc), exc
+else:
+    raise AssertionError("a second init() ignored an unregistered process set")
+hvddp.init(process_sets=[evens])
+assert late.process_set_id is None and hvddp.add_process_set(late).size() == 2
 print("sets ok", flush=True)
