@@ -233,8 +233,14 @@ def test_sparse_allreduce_of_other_shapes_raises_on_every_rank():
     length = 3 if R == 0 else 11
     t = torch.sparse_coo_tensor(torch.tensor([[min(R * 10, length - 1)]]), torch.ones(1), (length,))
     with pytest.raises(hvd.MismatchError, match=r"sparse_allreduce_async 'sparse.shapes'.*different shapes \("
-                       + (r"1 of" if R == 0 else f"{N - 1} of") + f" {N} ranks have this rank's \\({length},\\)"):
+                       f"this rank's is \\({length},\\), and not every rank's is\\)"):
         hvd.synchronize(hvd.sparse_allreduce_async(t, name="sparse.shapes", op=hvd.Sum))
+    # the others' entry at index 3 sits where rank 0's shape row (3,) is: the message counted it as
+    # a rank of rank 0's shape ("2 of 2 ranks have this rank's (3,)")
+    length = 3 if R == 0 else 4
+    t = torch.sparse_coo_tensor(torch.tensor([[min(3, length - 1)]]), torch.ones(1), (length,))
+    with pytest.raises(hvd.MismatchError, match=r"this rank's is \(" f"{length}" r",\), and not every"):
+        hvd.synchronize(hvd.sparse_allreduce_async(t, name="sparse.shapes.row", op=hvd.Sum))
     assert hvd.allgather_object("after") == ["after"] * N
 
 
@@ -315,6 +321,13 @@ def test_allgather_grad():
     (ya.sum() + 2 * yb.sum()).backward()
     assert_equal(a.grad, torch.ones(R + 1))
     assert_equal(b.grad, torch.full((1,), 2.0))
+    # a bool or int member has no gradient: backward reduces the floating ones only (it averaged
+    # every member's, and the bool mask's zeros made the Average raise on every rank)
+    feat, mask, ids = torch.ones(2, 3, requires_grad=True), torch.tensor([True, False]), torch.arange(2)
+    out_feat, out_mask, out_ids = hvd.grouped_allgather([feat, mask, ids], name="grad.gag.mask")
+    assert out_mask.tolist() == [True, False] * N and out_ids.tolist() == [0, 1] * N
+    (out_feat * (R + 1)).sum().backward()
+    assert_equal(feat.grad, torch.full((2, 3), sum(r + 1 for r in range(N)) / N))
 
 
 def test_broadcast_grad():
@@ -768,6 +781,8 @@ def test_bad_arguments():
         hvd.grouped_allreduce(torch.ones(2))
     with pytest.raises(ValueError):
         hvd.broadcast(torch.ones(2), root_rank=N)
+    with pytest.raises(TypeError, match="SyncBatchNorm: process_set must be an hvddp ProcessSet.*Received: process_set=0"):
+        hvd.SyncBatchNorm(3, process_set=0)
 
 
 def test_a_tensor_refused_on_one_rank_fails_on_every_rank():
@@ -787,6 +802,10 @@ def test_a_tensor_refused_on_one_rank_fails_on_every_rank():
         ("broadcast_", lambda: hvd.broadcast_(torch.ones(2, dtype=torch.complex64) if bad else torch.ones(2), 0)),
         ("alltoall", lambda: hvd.alltoall(torch.ones(N), splits=object() if bad else None)),
         ("reducescatter", lambda: hvd.reducescatter([1.0] * N if bad else torch.ones(N))),
+        # a compression that is not one: a bare AttributeError on rank 0 left the others waiting
+        ("allreduce", lambda: hvd.allreduce(torch.ones(2), compression="fp16" if bad else hvd.Compression.fp16)),
+        ("grouped_reducescatter", lambda: hvd.grouped_reducescatter(
+            [torch.ones(N)], compression=None if bad else hvd.Compression.none)),
         ("sparse_allreduce_async", lambda: hvd.synchronize(hvd.sparse_allreduce_async(
             torch.eye(2) if bad else torch.eye(2).to_sparse(), None, hvd.Sum))),
     ]

@@ -90,8 +90,9 @@ def without_shape_rows(indices: torch.Tensor, values: torch.Tensor, shape: torch
     is_shape = (indices == bound).all(dim=1)
     found = int(is_shape.sum())
     if found != size or bool((indices >= bound).any(dim=1).logical_and_(~is_shape).any()):
-        raise MismatchError(f"{what}: the ranks' tensors have different shapes ({found} of {size} ranks "
-                            f"have this rank's {tuple(shape)}); every rank must reduce a tensor of the "
+        # (no count of the ranks that agree: a peer's entry can sit at this rank's shape row)
+        raise MismatchError(f"{what}: the ranks' tensors have different shapes (this rank's is "
+                            f"{tuple(shape)}, and not every rank's is); every rank must reduce a tensor of the "
                             f"same shape (for a model's gradients: the same model on every rank, as "
                             f"broadcast_parameters checks).")
     keep = ~is_shape

@@ -35,6 +35,7 @@ from hvddp import (Adasum, HvddpError, Max, Min, Product, add_process_set, ccl_b
                    local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
                    remove_process_set, rocm_built, shutdown, size, start_timeline, stop_timeline)
 
+from hvddp._grouping import check_compression
 from hvddp.ops import Refusal, announce_refusal
 
 from ._convert import Handle, TensorArgumentError, as_tensor, check_tensor, source, target
@@ -89,6 +90,15 @@ def _announced(core_fn: Callable) -> Callable:
         return announcing
 
     return wrap
+
+
+def _compressor(compression: Any, fn: str) -> Compressor:
+    """``compression`` if it can compress, else a ``TensorArgumentError`` naming it (announced to
+    the other ranks like a bad tensor)."""
+    try:
+        return check_compression(compression, fn)
+    except TypeError as exc:
+        raise TensorArgumentError(str(exc)) from None
 
 
 def _announce(core_fn, core_params, sig, first: str, exc: BaseException, args, kwargs) -> None:
@@ -228,7 +238,7 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     See ``allreduce_async`` for the contract across ranks.
     """
     check_tensor(tensor, "allreduce")
-    compressed, ctx = compression.compress(tensor)
+    compressed, ctx = _compressor(compression, "allreduce").compress(tensor)
     if _needs_grad(compressed):
         out = _Allreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor,
                                process_set)
@@ -305,7 +315,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
                       names: Optional[Sequence[str]] = None) -> List[torch.Tensor]:
     """Reduce a list of tensors as one group and return new tensors; blocks; differentiable."""
     tensors = _tensors(tensors, "grouped_allreduce")
-    pairs = [compression.compress(t) for t in tensors]
+    pairs = [_compressor(compression, "grouped_allreduce").compress(t) for t in tensors]
     compressed = [c for c, _ in pairs]
     if _needs_grad(*compressed):
         outs = list(_GroupedAllreduce.apply(average, name, op, prescale_factor, postscale_factor,
@@ -428,12 +438,18 @@ class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         rows, name, process_set = ctx.args
-        reduced = grouped_allreduce([g.contiguous() for g in grads], None, _grad_name(name), op=Average,
-                                    process_set=process_set)
+        # only floating members have gradients (an int or bool member's are zeros of its dtype,
+        # which an Average refuses); dtypes agree across ranks, so every rank picks the same ones
+        floating = [i for i, g in enumerate(grads) if g.is_floating_point()]
+        reduced = grouped_allreduce([grads[i].contiguous() for i in floating], None, _grad_name(name),
+                                    op=Average, process_set=process_set) if floating else []
         counts = hvddp.allgather(torch.tensor([rows], dtype=torch.int64).numpy(),
                                  None if name is None else f"{name}.grad.rows", process_set)
         offsets = counts[:process_set.rank()].sum(axis=0).tolist()
-        return (None, None) + tuple(g.narrow(0, int(o), r) for g, o, r in zip(reduced, offsets, rows))
+        out = [None] * len(grads)
+        for i, g in zip(floating, reduced):
+            out[i] = g.narrow(0, int(offsets[i]), rows[i])
+        return (None, None) + tuple(out)
 
 
 @_announced(hvddp.grouped_allgather_async)
@@ -622,7 +638,7 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
                   postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce ``tensor`` across ranks and return this rank's slice; blocks; differentiable."""
     check_tensor(tensor, "reducescatter")
-    compressed, ctx = compression.compress(tensor)
+    compressed, ctx = _compressor(compression, "reducescatter").compress(tensor)
     if _needs_grad(compressed):
         out = _Reducescatter.apply(compressed, name, op, process_set, prescale_factor, postscale_factor)
     else:
@@ -664,7 +680,7 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] =
                           postscale_factor: float = 1.0) -> List[torch.Tensor]:
     """Reducescatter each tensor in a list, as one group; blocks; differentiable."""
     tensors = _tensors(tensors, "grouped_reducescatter")
-    pairs = [compression.compress(t) for t in tensors]
+    pairs = [_compressor(compression, "grouped_reducescatter").compress(t) for t in tensors]
     compressed = [c for c, _ in pairs]
     if _needs_grad(*compressed):
         outs = list(_GroupedReducescatter.apply(name, op, process_set, prescale_factor,

@@ -39,6 +39,10 @@ class SyncBatchNorm(_BatchNorm):
                  process_set: ProcessSet = global_process_set, device=None, dtype=None) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device,
                          dtype=dtype)
+        if not isinstance(process_set, ProcessSet):
+            raise TypeError(f"SyncBatchNorm: process_set must be an hvddp ProcessSet (hvd.global_process_set "
+                            f"or one from hvd.add_process_set); Received: process_set={process_set!r} "
+                            f"({type(process_set).__name__}).")
         self.process_set = process_set
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
