@@ -122,8 +122,10 @@ def reduce_group(arrays: Sequence[np.ndarray], base: str, labels: Sequence[str],
     if mismatch is not None:  # on every rank alike: compare the lists to say where
         message = _name_member(str(mismatch), base, labels)
         try:
-            check_same_lists(f"{base}.explain", labels, [a.shape for a in arrays],
-                             [a.dtype.name for a in arrays], process_set)
+            # the tensors only: the bookkeeping members' count follows theirs, and counted in
+            # they made a 4-variable model "6 tensors" in the message
+            check_same_lists(f"{base}.explain", labels[:members], [a.shape for a in arrays[:members]],
+                             [a.dtype.name for a in arrays[:members]], process_set)
         except hvddp.MismatchError as detail:
             message = f"{detail} ({message})"
         raise hvddp.MismatchError(message) from None
@@ -184,6 +186,24 @@ def check_adasum_size(process_set: Any, fn: str) -> None:
     from .ops import _check_adasum_size
 
     _check_adasum_size(process_set.size(), process_set, fn)
+
+
+def check_process_set(process_set: Any, fn: str) -> Any:
+    """Validate ``process_set`` where it is given (a list of ranks or an int failed later, as an
+    AttributeError naming neither)."""
+    if not isinstance(process_set, hvddp.ProcessSet):
+        raise TypeError(f"{fn}: process_set must be an hvddp ProcessSet (hvd.global_process_set, or one "
+                        f"from hvd.add_process_set(ranks)); Received: process_set={process_set!r} "
+                        f"({type(process_set).__name__}).")
+    return process_set
+
+
+def random_state(variable: Any) -> bool:
+    """Whether a Keras variable is a random-number generator's state (the ``SeedGenerator`` of a
+    ``Dropout`` layer): replicas keep their own, so that their dropout masks differ as those of
+    the samples in one process's batch do, so broadcasts leave it out."""
+    name = getattr(variable, "name", None)
+    return isinstance(name, str) and name.split(":")[0].rsplit("/", 1)[-1] == "seed_generator_state"
 
 
 def check_compression(compression: Any, fn: str) -> Any:

@@ -291,6 +291,36 @@ def test_broadcast_callback_equalises_replicas():
     assert_replicas_identical(model.get_weights(), "bcast")
 
 
+def test_broadcast_variables_leaves_dropout_rng_states_per_rank():
+    """model.variables holds each Dropout's SeedGenerator state: broadcast, every rank drew the
+    same dropout masks (the callback already left them out)."""
+    keras.utils.set_random_seed(60 + RANK)
+    model = keras.Sequential([keras.Input((4,)), layers.Dense(8), layers.Dropout(0.5)])
+    seeds = [v for v in model.variables if "seed_generator" in v.path]
+    assert seeds, [v.path for v in model.variables]
+    mine = [np.array(v.numpy()) for v in seeds]
+    hvd.broadcast_variables(model.variables, root_rank=0)
+    for v, was in zip(seeds, mine):
+        np.testing.assert_array_equal(np.array(v.numpy()), was)
+    assert_replicas_identical([np.array(v.numpy()) for v in model.trainable_variables], "dropout.bcast")
+
+
+def test_callback_arguments_are_checked_where_they_are_given():
+    """A list as process_set failed after a whole epoch (MetricAverageCallback) and a str
+    steps_per_epoch at the first batch, as errors naming neither the callback nor the argument."""
+    for make in (lambda: hvd.callbacks.MetricAverageCallback(process_set=[0]),
+                 lambda: hvd.callbacks.BroadcastGlobalVariablesCallback(0, process_set=0),
+                 lambda: hvd.broadcast_variables([], 0, process_set=[0]),
+                 lambda: hvd.allreduce(np.ones(2), process_set=[0])):
+        with pytest.raises(TypeError, match=r"process_set must be an hvddp ProcessSet.*Received: process_set="):
+            make()
+    for bad in ("4", 0, 2.5, True):
+        with pytest.raises(TypeError, match=r"LearningRateWarmupCallback: steps_per_epoch must be a positive "
+                                            rf"int.*Received: steps_per_epoch={bad!r}"):
+            hvd.callbacks.LearningRateWarmupCallback(0.1, steps_per_epoch=bad)
+    assert hvd.callbacks.LearningRateWarmupCallback(0.1, steps_per_epoch=np.int64(4)).steps_per_epoch == 4
+
+
 @pytest.mark.np3
 def test_metric_average_callback():
     local = {}

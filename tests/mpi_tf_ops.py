@@ -328,6 +328,45 @@ def test_broadcast_variables():
         np.testing.assert_array_equal(v.numpy(), want)
 
 
+def test_broadcast_variables_leaves_dropout_rng_states_per_rank():
+    """Horovod's TF2 example broadcasts model.variables, which in Keras 3 hold each Dropout's
+    SeedGenerator state: it was copied from the root, and every rank drew the same masks."""
+    import keras
+
+    keras.utils.set_random_seed(50 + RANK)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dropout(0.5)])
+    seeds = [v for v in model.variables if "seed_generator" in v.path]
+    assert seeds, [v.path for v in model.variables]
+    mine = [v.numpy().copy() for v in seeds]
+    root = hvd.broadcast_object([v.numpy() for v in model.trainable_variables], 0, name="t.dropout.root")
+
+    @tf.function
+    def in_function():
+        hvd.broadcast_variables(model.variables, root_rank=0)
+
+    for call in (lambda: hvd.broadcast_variables(model.variables, root_rank=0), in_function):
+        call()
+        for v, want in zip(model.trainable_variables, root):
+            np.testing.assert_array_equal(v.numpy(), want)
+        for v, was in zip(seeds, mine):
+            np.testing.assert_array_equal(v.numpy(), was)
+    if SIZE > 1:
+        masks = hvd.allgather_object((model(tf.ones((4, 4)), training=True).numpy() != 0).tolist())
+        assert masks[0] != masks[1]
+
+
+def test_process_set_of_the_wrong_type_is_named_where_it_is_given():
+    """A list of ranks as process_set failed later, as an AttributeError naming neither."""
+    with tf.GradientTape() as tape:
+        pass
+    for make in (lambda: hvd.DistributedGradientTape(tape, process_set=[0]),
+                 lambda: hvd.allreduce(tf.ones([2]), process_set=[0]),
+                 lambda: hvd.broadcast_variables([tf.Variable([1.0])], 0, process_set=0),
+                 lambda: hvd.SyncBatchNormalization(process_set=0)):
+        with pytest.raises(TypeError, match=r"process_set must be an hvddp ProcessSet.*Received: process_set="):
+            make()
+
+
 def test_tape_mismatch_names_the_variable():
     if SIZE == 1:
         pytest.skip("needs two ranks")
@@ -641,6 +680,19 @@ def test_sync_batch_normalization_is_batch_norm_on_the_whole_batch(mode):
     np.testing.assert_allclose(sync.moving_variance.numpy(), ref.moving_variance.numpy(), rtol=1e-4)
     with pytest.raises(ValueError, match="fused"):
         hvd.SyncBatchNormalization(fused=True)
+    with pytest.raises(ValueError, match="Received: fused=None"):
+        hvd.SyncBatchNormalization(fused=None)
+    # jit_compile="auto" on a GPU machine: Keras picks XLA when every layer supports it, and the
+    # layer's allreduces cannot be compiled (it claimed support: fit failed with a plain optimizer)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), hvd.SyncBatchNormalization()])
+    real = tf.config.list_physical_devices
+    tf.config.list_physical_devices = lambda *a: real(*a) + [
+        tf.config.PhysicalDevice(name="/physical_device:GPU:0", device_type="GPU")]
+    try:
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    finally:
+        tf.config.list_physical_devices = real
+    assert model.jit_compile is False
 
 
 def test_sync_batch_normalization_outside_its_process_set_normalizes_locally():

@@ -11,7 +11,7 @@ import keras
 import numpy as np
 
 import hvddp
-from hvddp import ProcessSet, global_process_set
+from hvddp import ProcessSet, _grouping, global_process_set
 from hvddp.checkpoint import root_of
 
 from . import _backend
@@ -58,7 +58,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         if isinstance(local_variables, ProcessSet):  # hvddp's earlier positional order
             process_set, local_variables = local_variables, None
         self.root_rank = root_rank
-        self.process_set = process_set
+        self.process_set = _grouping.check_process_set(process_set, type(self).__name__)
         self.broadcast_done = False
         self._local = {}
         if local_variables is None:
@@ -142,7 +142,7 @@ class MetricAverageCallback(keras.callbacks.Callback):
     def __init__(self, device: str = "", process_set: ProcessSet = global_process_set):
         """``device`` is accepted for Horovod compatibility and ignored."""
         super().__init__()
-        self.process_set = process_set
+        self.process_set = _grouping.check_process_set(process_set, type(self).__name__)
 
     def on_epoch_end(self, epoch, logs=None):
         if not logs or not self.process_set.included():  # outside the set: this rank's own values
@@ -232,7 +232,11 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         self.start_epoch = start_epoch
         self.end_epoch = end_epoch
         self.momentum_correction = momentum_correction
-        self.steps_per_epoch = steps_per_epoch
+        if steps_per_epoch is not None and (isinstance(steps_per_epoch, bool) or not isinstance(
+                steps_per_epoch, numbers.Integral) or steps_per_epoch < 1):
+            raise TypeError(f"{who}: steps_per_epoch must be a positive int, or None to take fit()'s; "
+                            f"Received: steps_per_epoch={steps_per_epoch!r}.")
+        self.steps_per_epoch = None if steps_per_epoch is None else int(steps_per_epoch)
         self.verbose = verbose
         self.current_epoch = 0
 

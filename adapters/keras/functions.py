@@ -41,6 +41,7 @@ def allreduce(value: Any, name: Optional[str] = None, average: Optional[bool] = 
     combines float values on a process set whose size is a power of two (else ``ValueError`` on
     every rank, before anything is sent).
     """
+    _grouping.check_process_set(process_set, "allreduce")
     value = _backend.unwrap(value)
     if _backend.name() == "tensorflow" and not _backend.is_numpy(value):  # (checks and announces itself)
         from hvddp.tensorflow import allreduce as tf_allreduce
@@ -90,6 +91,7 @@ def allgather(value: Any, name: Optional[str] = None, process_set: ProcessSet = 
     Numpy in, numpy out; a backend tensor in, a backend tensor out. The first dimension may
     differ across ranks, except inside ``jax.jit``, where shapes are static and must match.
     """
+    _grouping.check_process_set(process_set, "allgather")
     value = _backend.unwrap(value)
     if _backend.is_numpy(value):
         return hvddp.allgather(np.asarray(value), name=name, process_set=process_set)
@@ -127,6 +129,7 @@ def reducescatter(value: Any, name: Optional[str] = None, op: Any = None,
     Numpy in, numpy out (a ``tf.Tensor`` on the TensorFlow backend, as for ``allreduce``); a
     backend tensor in, a backend tensor out.
     """
+    _grouping.check_process_set(process_set, "reducescatter")
     value = _backend.unwrap(value)
     backend = _backend.name()
     if backend == "tensorflow" and not _backend.is_numpy(value):  # (checks and announces itself)
@@ -152,6 +155,7 @@ def reducescatter(value: Any, name: Optional[str] = None, op: Any = None,
 def broadcast(value: Any, root_rank: int, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> Any:
     """Return ``root_rank``'s ``value`` on every rank (numpy or backend tensor, as given)."""
+    _grouping.check_process_set(process_set, "broadcast")
     value = _backend.unwrap(value)
     if _backend.is_numpy(value):
         return hvddp.broadcast(np.asarray(value), root_rank, name=name, process_set=process_set)
@@ -181,8 +185,13 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int = 0,
         process_set: the ranks taking part.
         prefix: the first part of the collectives' names (calls in flight at once need
             different prefixes).
+
+    Random-number generator states among them (a ``Dropout`` layer's ``SeedGenerator``) are
+    left out: each rank keeps its own, so dropout masks differ across ranks, as
+    ``BroadcastGlobalVariablesCallback`` leaves them.
     """
-    variables = list(variables)
+    _grouping.check_process_set(process_set, "broadcast_variables")
+    variables = [v for v in variables if not _grouping.random_state(v)]
     values = [np.array(_backend.to_numpy(v)) for v in variables]
     _grouping.check_same_lists(f"{prefix}.check", [getattr(v, "path", f"variable {i}") for i, v in
                                                    enumerate(variables)],

@@ -483,9 +483,7 @@ def _settings(op, gradient_predivide_factor, compression, process_set, postscale
         raise ValueError(f"DistributedOptimizer: op must be hvddp.Average, hvddp.Sum or hvddp.Adasum; "
                          f"Received: op={op!r}.")
     factor = _grouping.check_predivide(op, gradient_predivide_factor, "DistributedOptimizer")
-    if not isinstance(process_set, ProcessSet):
-        raise TypeError(f"DistributedOptimizer: process_set must be an hvddp.ProcessSet; "
-                        f"Received: process_set={type(process_set).__name__}.")
+    _grouping.check_process_set(process_set, "DistributedOptimizer")
     if op is hvddp.Adasum:
         _grouping.check_adasum_size(process_set, "DistributedOptimizer")
     _grouping.check_compression(compression, "DistributedOptimizer")
@@ -519,8 +517,10 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
         optimizer: any ``keras.optimizers.Optimizer`` (including ``LossScaleOptimizer``). Its
             state is copied if it is already built.
         name: a new name for the optimizer; the wrapped one's by default.
-        device_dense, device_sparse, sparse_as_dense, num_groups, groups: accepted for Horovod
-            compatibility; every step's gradients form one dense group.
+        device_dense, device_sparse, num_groups, groups: accepted for Horovod compatibility;
+            every step's gradients form one group.
+        sparse_as_dense: reduce sparse gradients (``tf.IndexedSlices`` on the TensorFlow
+            backend) as dense tensors instead of gathering every rank's rows.
         compression: ``hvddp.Compression.none``, ``.fp16`` or ``.bf16``.
         gradient_predivide_factor: divide gradients by this before the sum and by
             ``size / factor`` after (Average only).

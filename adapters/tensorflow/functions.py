@@ -69,10 +69,15 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int,
         process_set: the ranks taking part.
         inplace: accepted for Horovod compatibility; the variables are always assigned.
 
+    Random-number generator states among them (a Keras ``Dropout`` layer's ``SeedGenerator``,
+    part of ``model.variables``) are left out: each rank keeps its own, so dropout masks differ
+    across ranks, as ``BroadcastGlobalVariablesCallback`` leaves them.
+
     Returns:
         None eagerly; inside a ``tf.function``, the op that assigns them.
     """
-    variables = list(variables)
+    _grouping.check_process_set(process_set, "broadcast_variables")
+    variables = [v for v in variables if not _grouping.random_state(v)]
     labels = [source_label(v, i) for i, v in enumerate(variables)]
     # refused here: announced under the first exchange's name, which the other ranks wait on
     with _grouping.announcing(hvddp.allgather, f"{_CHECK}.size", process_set):

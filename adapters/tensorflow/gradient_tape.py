@@ -139,8 +139,10 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
 
     Args:
         gradtape: the ``tf.GradientTape`` to wrap.
-        device_dense, device_sparse, sparse_as_dense, num_groups, groups: accepted for Horovod
-            compatibility; hvddp always reduces one dense group per ``gradient()`` call.
+        device_dense, device_sparse, num_groups, groups: accepted for Horovod compatibility;
+            hvddp always reduces one group per ``gradient()`` call.
+        sparse_as_dense: reduce sparse gradients (``tf.IndexedSlices``) as dense tensors
+            instead of gathering every rank's rows.
         compression: ``hvddp.Compression.none``, ``.fp16`` or ``.bf16``.
         op: ``hvddp.Average`` (default), ``hvddp.Sum``, or ``hvddp.Adasum``: the gradients are
             combined by Adasum (as Horovod's tape does), per tensor, which needs a process set
@@ -168,6 +170,7 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
                         f"gradtape={type(gradtape).__name__}.")
     if isinstance(gradtape, _DistributedGradientTapeMixin):
         raise ValueError("DistributedGradientTape: this tape is already distributed; wrap it once.")
+    _grouping.check_process_set(process_set, "DistributedGradientTape")
     op = _grouping.check_op(op, None, "DistributedGradientTape", adasum=True)
     if op not in (hvddp.Average, hvddp.Sum, hvddp.Adasum):
         raise ValueError(f"DistributedGradientTape: op must be hvddp.Average, hvddp.Sum or hvddp.Adasum; "

@@ -66,6 +66,7 @@ def _auto_name(kind: str, process_set: ProcessSet) -> str:
 
 
 def _name(name: Optional[str], kind: str, process_set: ProcessSet) -> str:
+    _grouping.check_process_set(process_set, kind)
     if name is None:
         return _auto_name(kind, process_set)
     if not isinstance(name, str) or not name:

@@ -9,7 +9,7 @@ import keras
 import tensorflow as tf
 
 import hvddp
-from hvddp import ProcessSet, global_process_set
+from hvddp import _grouping, global_process_set
 
 from .ops import allreduce
 
@@ -35,16 +35,17 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
 
     def __init__(self, fused: Any = False, process_set: Any = global_process_set, **kwargs) -> None:
         if fused in (True, None):
-            raise ValueError("SyncBatchNormalization does not support fused=True; pass fused=False.")
+            raise ValueError(f"SyncBatchNormalization does not support the fused kernel (it computes its own "
+                             f"statistics); pass fused=False. Received: fused={fused!r}.")
         super().__init__(**kwargs)
+        # its allreduces cannot be XLA-compiled: jit_compile="auto" (on a GPU machine XLA, when
+        # every layer supports it) must see that, whatever the optimizer
+        self.supports_jit = False
         if process_set is None or isinstance(process_set, (list, tuple)):  # from get_config
             from hvddp.runtime import _restore_process_set
 
             process_set = _restore_process_set("global" if process_set is None else list(process_set), None)
-        if not isinstance(process_set, ProcessSet):
-            raise TypeError(f"SyncBatchNormalization: process_set must be an hvddp.ProcessSet; Received: "
-                            f"process_set={process_set!r}.")
-        self._hvddp_process_set = process_set
+        self._hvddp_process_set = _grouping.check_process_set(process_set, "SyncBatchNormalization")
 
     def _moments(self, inputs, mask):
         ps = self._hvddp_process_set

@@ -10,6 +10,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 import hvddp
 from hvddp import ProcessSet, Sum, global_process_set
+from hvddp._grouping import check_process_set
 from hvddp.ops import announce_refusal
 
 from .mpi_ops import allreduce
@@ -39,11 +40,7 @@ class SyncBatchNorm(_BatchNorm):
                  process_set: ProcessSet = global_process_set, device=None, dtype=None) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device,
                          dtype=dtype)
-        if not isinstance(process_set, ProcessSet):
-            raise TypeError(f"SyncBatchNorm: process_set must be an hvddp ProcessSet (hvd.global_process_set "
-                            f"or one from hvd.add_process_set); Received: process_set={process_set!r} "
-                            f"({type(process_set).__name__}).")
-        self.process_set = process_set
+        self.process_set = check_process_set(process_set, "SyncBatchNorm")
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
