@@ -447,6 +447,13 @@ def report(directory: str, np_: int, returncode: int, stopped_by: Optional[str] 
                          f"exit: the script ended early, or called sys.exit() or shutdown()) while other "
                          f"ranks still had collectives pending.")
             after = events
+        elif all(e[0] for e in events) and (quitters := _shut_down_ranks(failed, events)):
+            # only ShutdownErrors, and the rank(s) they name still running when the launcher
+            # stopped the job: those called shutdown() early, not the ranks that waited for them
+            lines.append(f"hvddprun: the first rank{'s' if len(quitters) > 1 else ''} to fail: "
+                         f"{', '.join(who(r) for r in quitters)}, which shut hvddp down (shutdown(), "
+                         f"or the process's exit) while other ranks still had collectives pending.")
+            after = [e for e in events if e[2] not in quitters]
         else:
             _, _, rank, what = events[0]
             lines.append(f"hvddprun: the first rank to fail: {who(rank)}, which {what}")
@@ -473,6 +480,17 @@ def report(directory: str, np_: int, returncode: int, stopped_by: Optional[str] 
                      "the job.")
         return 1, lines
     return returncode, lines
+
+
+def _shut_down_ranks(failed: Dict[int, dict], events: list) -> List[int]:
+    """The ranks the ``ShutdownError`` events name as shut down ("on rank(s) [1, 2]"), that did
+    not fail themselves."""
+    named = set()
+    for _, _, rank, _ in events:
+        match = re.search(r"shut down on rank\(s\) \[([\d, ]*)\]", str(failed.get(rank, {}).get("error", "")))
+        if match:
+            named.update(int(r) for r in match.group(1).split(",") if r.strip())
+    return sorted(r for r in named if r not in failed)
 
 
 # Shared-memory segments left by ranks that were killed ------------------------------------------

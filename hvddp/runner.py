@@ -25,6 +25,7 @@ What it adds to a bare ``mpiexec``:
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import shlex
@@ -44,9 +45,22 @@ __all__ = ["main", "build_command", "mpi_family", "find_launch", "python_command
 
 _MIB = 1 << 20
 
+def _mib_to_bytes(value: str) -> str:
+    """``--fusion-threshold-mb`` as HVDDP_FUSION_THRESHOLD's bytes; a size that rounds to 0 bytes
+    is refused (0 turns fusion off: say so with 0)."""
+    mib = float(value)
+    if not math.isfinite(mib) or mib < 0:
+        raise ValueError("expected a finite number of MiB >= 0; 0 turns fusion off")
+    nbytes = int(round(mib * _MIB))
+    if mib > 0 and nbytes == 0:
+        raise ValueError("it rounds to 0 bytes, which turns fusion off; pass 0 for that, or at least "
+                         "1e-6 MiB")
+    return str(nbytes)
+
+
 # option dest -> (HVDDP variable, conversion to its text)
 _SETTINGS = {
-    "fusion_threshold_mb": ("HVDDP_FUSION_THRESHOLD", lambda v: str(int(round(float(v) * _MIB)))),
+    "fusion_threshold_mb": ("HVDDP_FUSION_THRESHOLD", _mib_to_bytes),
     "cycle_time_ms": ("HVDDP_CYCLE_TIME", str),
     "timeline_filename": ("HVDDP_TIMELINE", str),
     "stall_check_warning_time_seconds": ("HVDDP_STALL_CHECK_TIME_SECONDS", str),

@@ -217,10 +217,11 @@ def _log_start(state, MPI) -> None:
     _logging.log.info(
         "initialized: %d rank(s), %d on this node, %d node(s); %s, thread level %s; fusion %d bytes, "
         "cycle %g ms, MPI pieces %d bytes, response cache %d, single-copy %s (from %d bytes), "
-        "stall check %g s%s, timeline %s", state.size, state.local_size, state.cross_size,
+        "stall check %s%s, timeline %s", state.size, state.local_size, state.cross_size,
         " ".join(MPI.Get_library_version().splitlines()[0].split()), levels.get(state.thread_level, state.thread_level),
         cfg.fusion_threshold_bytes, cfg.cycle_time_ms, cfg.mpi_chunk_bytes, cfg.cache_capacity,
-        "allowed" if cfg.cma else "off", cfg.cma_threshold_bytes, cfg.stall_check_time_s,
+        "allowed" if cfg.cma else "off", cfg.cma_threshold_bytes,
+        "off" if cfg.stall_check_disable else f"{cfg.stall_check_time_s:g} s",
         f", shutdown after {cfg.stall_shutdown_time_s:g} s" if cfg.stall_shutdown_time_s > 0 else "",
         cfg.timeline or "off")
 

@@ -196,10 +196,11 @@ def test_log_levels_say_what_the_engine_does():
     collectives, counting those that came through the response cache; the default level
     (WARNING) prints none of them."""
     script = os.path.join(ROOT, "examples", "numpy_least_squares.py")
-    out = run(2, [script], timeout=60, env={"HVDDP_LOG_LEVEL": "TRACE"}).stdout
+    out = run(2, [script], timeout=60, env={"HVDDP_LOG_LEVEL": "TRACE", "HVDDP_STALL_CHECK_DISABLE": "1"}).stdout
     info = [l for l in out.splitlines() if " INFO: initialized:" in l]
     assert len(info) == 1 and "[hvddp rank 0] INFO" in info[0] and "2 rank(s)" in info[0], out
     assert "fusion 1048576 bytes" in info[0] and "thread level" in info[0], info
+    assert "stall check off," in info[0], info  # (it said "stall check 60 s")
     for r in (0, 1):
         assert f"[hvddp rank {r}] DEBUG: negotiation: sent 1 request(s) ('grad'); agreed 1 ('allreduce grad')" in out, out
         assert f"[hvddp rank {r}] TRACE: cycle: running 1 collective(s), 1 of them announced through the " \

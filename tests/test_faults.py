@@ -232,6 +232,26 @@ def test_report_puts_a_peer_shutdown_after_the_rank_that_left(tmp_path):
     assert lines[1].startswith("hvddprun: then rank 0 (pid 100 on a) raised ShutdownError"), lines
 
 
+def test_report_names_the_rank_that_shut_down_early(tmp_path):
+    """Rank 1 called shutdown() and went on (its own evaluation) while rank 0 still had a
+    collective pending; the launcher then stopped rank 1. Only rank 0's ShutdownError was
+    recorded: it was named as the first to fail, and rank 1 as merely stopped."""
+    from hvddp import _faults
+
+    files = {"rank-0.start": {"rank": 0, "pid": 100, "host": "a"},
+             "rank-1.start": {"rank": 1, "pid": 101, "host": "a"},
+             "rank-0.failed": {"rank": 0, "time": 1.0, "error": "ShutdownError: allreduce 'step' was submitted "
+                               "after hvddp's engine stopped: hvddp was shut down on rank(s) [1] (shutdown(), "
+                               "or the process's exit)"}}
+    for name, payload in files.items():
+        (tmp_path / name).write_text(json.dumps(payload))
+    code, lines = _faults.report(str(tmp_path), 2, 1)
+    assert code == 1
+    assert lines[0].startswith("hvddprun: the first rank to fail: rank 1 (pid 101 on a), which shut hvddp "
+                               "down"), lines
+    assert lines[1].startswith("hvddprun: then rank 0 (pid 100 on a) raised ShutdownError"), lines
+
+
 def test_stall_shutdown_while_cached_collectives_keep_running():
     """The fast path had already taken this cycle's cached allreduce when the fatal stall came:
     it must fail too, not leave its caller waiting on an engine that has stopped."""

@@ -84,7 +84,10 @@ def test_hosts_and_hostfile(tmp_path, hosts):
     (["-np", "2", "--log-level", "loud"], ["--log-level", "HVDDP_LOG_LEVEL", "loud"]),
     (["-np", "2", "--fusion-threshold-mb", "-3"], ["--fusion-threshold-mb", "HVDDP_FUSION_THRESHOLD"]),
     (["-np", "2", "--stall-check-shutdown-time-seconds", "nan"], ["--stall-check-shutdown-time-seconds"]),
-    (["-np", "2", "--fusion-threshold-mb", "inf"], ["--fusion-threshold-mb", "inf"]),
+    (["-np", "2", "--fusion-threshold-mb", "inf"], ["--fusion-threshold-mb", "inf", "finite number of MiB"]),
+    (["-np", "2", "--fusion-threshold-mb", "nan"], ["--fusion-threshold-mb", "finite number of MiB"]),
+    # (it became 0 bytes, fusion off, without a word)
+    (["-np", "2", "--fusion-threshold-mb", "1e-9"], ["--fusion-threshold-mb", "rounds to 0 bytes"]),
     (["-np", "3", "-H", "localhost:2"], ["-np 3", "2 slots"]),
     (["-np", "0"], ["-np must be >= 1"]),
     (["-np", "2", "-H", "localhost:two"], ["slots must be a positive integer", "'two'"]),
