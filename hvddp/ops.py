@@ -126,8 +126,8 @@ def _array(tensor: Any, fn: str, arg: str = "tensor") -> np.ndarray:
             return _device.describe(tensor)
         except TypeError as exc:
             raise TypeError(f"{fn}: {arg}: {exc}") from None
-    elif isinstance(tensor, np.ndarray):
-        array = tensor
+    elif isinstance(tensor, np.ndarray):  # a subclass (np.matrix, from scipy's todense()): its own
+        array = tensor.view(np.ndarray)  # reshape(-1) stays 2-D, and pieces of it were whole rows
     elif isinstance(tensor, (np.generic, numbers.Number)) and not isinstance(tensor, (str, bytes)):
         array = np.asarray(tensor)
     else:

@@ -101,6 +101,16 @@ def test_min_and_max_of_signed_zeros_are_the_same_bits_everywhere(elements):
         high = hvddp.allreduce(nans, op=hvddp.Max, name=f"nans.max.{dtype}.{elements}")
         assert np.isnan(low).all() and np.isnan(high).all()
         assert len(set(hvddp.allgather_object(low.tobytes() + high.tobytes()))) == 1
+    # NaNs of different payloads on every rank: on MPI's path each rank kept its peer's (numpy
+    # keeps the first of two NaNs, and MPI passes the operands in each rank's own order)
+    for ints, floats in ((np.uint32, np.float32), (np.uint64, np.float64)):
+        quiet = ints(0x7FC00000) if ints is np.uint32 else ints(0x7FF8000000000000)
+        bits = np.full(elements, quiet + ints(1 + R), dtype=ints)
+        bits[1::2] |= ints(1) << ints(8 * np.dtype(ints).itemsize - 1)  # and negative ones
+        for op in (hvddp.Min, hvddp.Max):
+            out = hvddp.allreduce(bits.view(floats), op=op, name=f"payloads.{op}.{floats.__name__}.{elements}")
+            assert np.isnan(out).all()
+            assert len(set(hvddp.allgather_object(out.tobytes()))) == 1, (op, floats, out.view(ints)[:2])
 
 
 def test_bool_allreduce_min_max_and_refused_sum():
@@ -161,6 +171,30 @@ def test_non_contiguous_inputs_are_copied_and_in_place_writes_back():
     hvddp.allreduce_(view, op=hvddp.Sum, name="noncontig_")
     np.testing.assert_array_equal(base[:, ::2], out)
     np.testing.assert_array_equal(base[:, 1::2], np.arange(24).reshape(4, 6)[:, 1::2] + R)
+
+
+@pytest.mark.parametrize("n", [1000, 300_000])  # fused, and one large enough for pieces / single copy
+def test_subclasses_of_ndarray_reduce_as_their_data(n):
+    """np.matrix (scipy's todense()) kept its 2-D reshape(-1): large ones were reduced by rows, a
+    count mismatch or a broadcast error on that rank only, while a peer with an ndarray waited."""
+    x = np.asmatrix(np.full((1, n), float(R + 1)))
+    out = hvddp.allreduce(x, op=hvddp.Sum, name=f"matrix.{n}")
+    np.testing.assert_array_equal(np.asarray(out), np.full((1, n), N * (N + 1) / 2))
+    mixed = np.asmatrix(x) if R == 0 else np.full((1, n), float(R + 1))
+    hvddp.allreduce_(mixed, op=hvddp.Sum, name=f"matrix.mixed.{n}")
+    np.testing.assert_array_equal(np.asarray(mixed), np.full((1, n), N * (N + 1) / 2))
+
+
+def test_an_allreduce_agreed_before_an_in_place_broadcast_of_its_array_reduces_the_values_submitted():
+    """Collectives other than allreduce run first in a cycle, the allreduces after in their
+    batches: an allreduce submitted before broadcast_(x) reduced the broadcast's values."""
+    for step in range(5):
+        x = np.full(8, float(R + 1), dtype=np.float32)
+        first = hvddp.allreduce_async(x, op=hvddp.Sum, name=f"before.bcast.{step}")
+        bcast = hvddp.broadcast_async_(x, 0, name=f"the.bcast.{step}")
+        np.testing.assert_array_equal(hvddp.synchronize(first), np.full(8, N * (N + 1) / 2))
+        hvddp.synchronize(bcast)
+        np.testing.assert_array_equal(x, np.ones(8))
 
 
 def test_large_tensor_split_into_chunks_and_fused_small_ones():

@@ -56,7 +56,8 @@ def _symmetric(ufunc, keep_sign_if_both: bool):
     ended with different bits (+0.0 on one, -0.0 on another). A minimum is negative exactly when
     either argument is, a maximum when both are, so the result takes that sign bit: -0.0 ranks
     below +0.0 (IEEE 754-2019's minimum and maximum), other values keep their sign, and a NaN's
-    sign no longer depends on the order."""
+    sign no longer depends on the order. Of two NaNs the one with the larger payload is kept (numpy
+    keeps the first), so NaNs of different payloads end as the same bits on every rank too."""
     both = np.bitwise_and if keep_sign_if_both else np.bitwise_or
 
     def reduce(a, b, out=None):
@@ -70,7 +71,15 @@ def _symmetric(ufunc, keep_sign_if_both: bool):
             stop = min(start + _BLOCK, a.size)  # memory would cost four times one
             signs = scratch[:stop - start]
             both(a_bits[start:stop], b_bits[start:stop], out=signs)  # before out (maybe b) changes
+            nans = np.isnan(a[start:stop])
+            nans &= np.isnan(b[start:stop])
+            payloads = None
+            if nans.any():  # two NaNs: the larger payload, whichever came first (numpy keeps the first)
+                payloads = np.maximum(a_bits[start:stop][nans] & ~sign, b_bits[start:stop][nans] & ~sign)
+                payloads |= signs[nans] & sign
             ufunc(a[start:stop], b[start:stop], out=out[start:stop])
+            if payloads is not None:
+                bits[start:stop][nans] = payloads
             if keep_sign_if_both:  # clear the sign unless both had it
                 np.bitwise_or(signs, ~sign, out=signs)
                 np.bitwise_and(bits[start:stop], signs, out=bits[start:stop])

@@ -142,6 +142,8 @@ class Executor:
         for item in items:
             request = item[0]
             if request.kind is not Kind.ALLREDUCE:
+                if cpu_entries and request.device == "cpu" and item[1] is not None and item[1].output is not None:
+                    _keep_inputs(cpu_entries, item[1].output)  # an in-place broadcast runs before them
                 if request.device == "cpu" or request.kind in (Kind.BARRIER, Kind.JOIN):
                     self._run_one(*item)
                 else:
@@ -418,6 +420,15 @@ def _batched(items: list, threshold: int) -> list:
     for item in items:
         _fuse(groups, item, _meta(item[0])[2], threshold)
     return [batch for _, batch in groups]
+
+
+def _keep_inputs(entries: list, written: np.ndarray) -> None:
+    """Give a private copy to the input of every allreduce agreed before an in-place collective
+    that writes ``written``: that one runs now and the allreduces after it, in their batches, so
+    they would reduce what it wrote instead of the values submitted."""
+    for entry in entries:
+        if np.may_share_memory(entry.input, written):
+            entry.input = entry.input.copy()  # the output stays where the caller wants it
 
 
 def _unalias(entries: list) -> None:
