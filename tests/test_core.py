@@ -112,6 +112,24 @@ def test_every_exported_name_resolves_and_horovods_names_are_there(modules):
         assert "imports no other framework" in result.stdout, result.stdout
 
 
+def test_output_pool_reuses_an_array_only_once_nothing_else_refers_to_it():
+    """The pool's free test is a reference count, measured rather than assumed to be 3 (Python
+    3.14 counts a call's borrowed argument differently: a held result could have been reused)."""
+    import numpy as np
+
+    from hvddp.engine.pool import OutputPool
+
+    pool = OutputPool()
+    first = pool.empty((4,), np.float32)
+    address = first.ctypes.data
+    assert pool.empty((4,), np.float32).ctypes.data != address  # held: a new array
+    view = first[1:]
+    del first
+    assert all(pool.empty((4,), np.float32).ctypes.data != address for _ in range(3))  # a view holds it
+    del view
+    assert pool.empty((4,), np.float32).ctypes.data == address  # free: reused
+
+
 def test_integer_scaling_divides_exactly_toward_zero():
     """An integer Average over k ranks is sum / k truncated toward zero, exactly: in float64,
     (49 * m) * (1 / 49) falls just below m for many m, and integers above 2**53 round."""

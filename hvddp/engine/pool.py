@@ -20,6 +20,17 @@ _SCAN = 8  # candidates looked at before allocating: in steady state the first o
 MAX_POOLED_BYTES = 1 << 30
 
 
+def _references(arrays: Deque[np.ndarray]) -> int:
+    """``sys.getrefcount`` of the first array of ``arrays``, always taken by this one function:
+    what counts as a reference differs between Python versions (3.14 borrows a local's reference
+    for a call where 3.13 took one), so a free array's count is measured, not assumed."""
+    candidate = arrays[0]
+    return sys.getrefcount(candidate)
+
+
+_FREE = _references(deque([np.empty(0)]))  # an array only its deque holds (3 up to Python 3.13)
+
+
 class OutputPool:
     """``empty(shape, dtype)`` that recycles arrays no one else references any more."""
 
@@ -34,11 +45,10 @@ class OutputPool:
         if arrays is None:
             arrays = self._free[key] = deque()
         for _ in range(min(len(arrays), _SCAN)):
-            candidate = arrays[0]
+            free = _references(arrays) == _FREE  # nothing but the deque refers to it
             arrays.rotate(-1)
-            # references: the deque, the local name, getrefcount's argument
-            if sys.getrefcount(candidate) == 3:
-                return candidate
+            if free:
+                return arrays[-1]
         out = np.empty(shape, dtype=dtype)
         if len(arrays) < _PER_KEY and self._bytes + out.nbytes <= self.max_bytes:
             arrays.append(out)
