@@ -22,8 +22,9 @@ MAX_POOLED_BYTES = 1 << 30
 
 def _references(arrays: Deque[np.ndarray]) -> int:
     """``sys.getrefcount`` of the first array of ``arrays``, always taken by this one function:
-    what counts as a reference differs between Python versions (3.14 borrows a local's reference
-    for a call where 3.13 took one), so a free array's count is measured, not assumed."""
+    what counts as a reference can differ between Python versions (an interpreter may borrow a
+    local's reference for a call, as 3.14 is said to), so a free array's count is measured, not
+    assumed."""
     candidate = arrays[0]
     return sys.getrefcount(candidate)
 
