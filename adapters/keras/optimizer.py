@@ -511,7 +511,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
     Under the ``mixed_float16`` policy the average is taken before the loss-scale finite check
     (also when ``compile`` adds the ``LossScaleOptimizer`` around this one), so every rank
     skips or takes the same steps. On the TensorFlow backend the reduction cannot run inside
-    XLA: ``jit_compile=True`` raises, ``jit_compile="auto"`` compiles without XLA.
+    XLA: ``jit_compile=True`` raises in a job of more than one rank, ``jit_compile="auto"``
+    compiles without XLA.
 
     Args:
         optimizer: any ``keras.optimizers.Optimizer`` (including ``LossScaleOptimizer``). Its
