@@ -185,7 +185,8 @@ class Timeline:
             stack.append(span)
 
     @_locked
-    def negotiate_rank_ready(self, key: tuple, rank: int) -> None:
+    def negotiate_rank_ready(self, key: tuple, rank: int, kind: str) -> None:
+        self._kinds.setdefault(key, kind)  # (a negotiation begun before this file: its row's kind)
         ready = self._ready.setdefault(key, set())
         if rank in ready:  # (rank 0's own cached announcement, then sent when the others were late)
             return
@@ -208,8 +209,11 @@ class Timeline:
         for key in keys:
             self._ready.pop(key, None)
             stack = self._open_spans.setdefault(key, [])
-            if key not in self._kinds and activity.startswith("MPI_"):  # not negotiated: a join's
-                self._kinds[key] = activity[4:].lower()
+            if key not in self._kinds:  # not negotiated (a join's), or before this file began:
+                # the row's kind is fixed here, once (an Adasum or staged allreduce's second
+                # activity moved its events to a row of its own, its spans open on the first)
+                kind = activity[4:].lower() if activity.startswith("MPI_") else "allreduce"
+                self._kinds[key] = "allreduce" if "allreduce" in kind else kind
             if stack and stack[-1].startswith("NEGOTIATE_"):
                 self._event(key, "E", stack.pop(), ts)
             if not stack:

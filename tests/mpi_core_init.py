@@ -4,6 +4,7 @@ import json
 import os
 import pickle
 import sys
+import time
 
 import numpy as np
 from mpi4py import MPI
@@ -58,6 +59,30 @@ if world == 0:
     events = json.load(open(quiet))
     assert "allreduce.traced.quiet" in {e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert not any(e["name"] == "CYCLE_START" for e in events), "cycle marks without mark_cycles"
+
+# 3a. the timeline restarted while an Adasum allreduce negotiates: its events stay on one row, with
+# balanced spans (its kind was taken from its second activity, MPI_ADASUM_ALLREDUCE: a second row
+# got the ends, the first kept two spans open)
+restarted = os.path.join(out_dir, "restarted.json")
+if world == 0:
+    handle = hvddp.allreduce_async(np.ones(8, np.float32), name="w.adasum", op=hvddp.Adasum, process_set=evens)
+    time.sleep(0.3)
+    hvddp.start_timeline(restarted)
+    hvddp.synchronize(handle)
+elif world == 2:
+    time.sleep(0.8)
+    hvddp.allreduce(np.ones(8, np.float32), name="w.adasum", op=hvddp.Adasum, process_set=evens)
+hvddp.barrier()
+hvddp.stop_timeline()
+if world == 0:
+    events = json.load(open(restarted))
+    rows = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    adasum_rows = [pid for pid, name in rows.items() if "w.adasum" in name]
+    assert [rows[pid] for pid in adasum_rows] == [f"allreduce.w.adasum (process set {evens.process_set_id})"], rows
+    # the barrier rank 1 entered before the restart: marks and spans on its one barrier row
+    assert not any(name.startswith("allreduce.barrier") for name in rows.values()), rows
+    phases = [e["ph"] for e in events if e.get("pid") == adasum_rows[0] and e["ph"] in "BE"]
+    assert phases.count("B") == phases.count("E") > 0, phases
 hvddp.shutdown()
 
 # 4. after shutdown, the same ProcessSet object registers again on every rank (members or not)

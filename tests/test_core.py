@@ -287,8 +287,8 @@ def test_timeline_reaches_the_file_at_each_flush_and_a_write_error_only_stops_it
     timeline = Timeline(0)
     timeline.start(str(path))
     timeline.negotiate_start((0, "grad"), "allreduce")
-    timeline.negotiate_rank_ready((0, "grad"), 0)
-    timeline.negotiate_rank_ready((0, "grad"), 0)  # announced cached, then sent: one mark
+    timeline.negotiate_rank_ready((0, "grad"), 0, "allreduce")
+    timeline.negotiate_rank_ready((0, "grad"), 0, "allreduce")  # announced cached, then sent: one mark
     timeline.flush()
     on_disk = path.read_text()  # not closed: what a killed job would leave
     assert "NEGOTIATE_ALLREDUCE" in on_disk and "allreduce.grad" in on_disk, on_disk
@@ -316,7 +316,7 @@ def test_timeline_reaches_the_file_at_each_flush_and_a_write_error_only_stops_it
     timeline._file.close()
     timeline._file = Full()
     with caplog.at_level("ERROR", logger="hvddp"):
-        timeline.negotiate_rank_ready((0, "grad"), 0)  # fails: gives up, raises nothing
+        timeline.negotiate_rank_ready((0, "grad"), 0, "allreduce")  # fails: gives up, raises nothing
         timeline.negotiate_end((0, "grad"))
         timeline.close()
     assert not timeline

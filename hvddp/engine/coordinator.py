@@ -138,7 +138,7 @@ class Coordinator:
             if since < waiting.first_seen:
                 waiting.first_seen = since
             if self.timeline:
-                self.timeline.negotiate_rank_ready(key, rank)
+                self.timeline.negotiate_rank_ready(key, rank, request.kind.value)
 
     def _owed_sends(self, rank: int, requests: Sequence[Request]) -> None:
         """Settle what ``rank`` owes to failed attempts, now that it sends ``requests``.

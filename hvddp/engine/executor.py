@@ -348,6 +348,8 @@ class Executor:
                         entry.output = self.pool.empty(request.shape, _dtype(request.dtype))
                     _scaled_copy(entry.output.reshape(-1), view, post)
         except Exception as exc:
+            if tl:  # (its spans end with it)
+                tl.end([item[0].key() for item in batch])
             _fatal_if_local(exc)
             _fail(batch, exc)
             return
@@ -383,6 +385,8 @@ class Executor:
                 self.timeline.activities(names, "CMA_ALLREDUCE")
             (cma.allreduce_packed if packed else cma.allreduce_many)(srcs, dsts, request0.op, post)
         except Exception as exc:
+            if names:  # (its spans end with it)
+                self.timeline.end(names)
             _fatal_if_local(exc)
             _fail(group, exc)
             return

@@ -393,7 +393,7 @@ class Engine:
             else:
                 if entry.state == NEW and self.timeline:
                     self.timeline.negotiate_start(entry.key, entry.request.kind.value)
-                    self.timeline.negotiate_rank_ready(entry.key, self.rank)
+                    self.timeline.negotiate_rank_ready(entry.key, self.rank, entry.request.kind.value)
                 entry.state = BIT
                 entry.slot = slot
                 entry.cache_version = version
