@@ -53,5 +53,51 @@ def main() -> int:
     return 1 if failed else 0
 
 
+def join_on_own_device() -> int:
+    """One GPU per rank (rank r's arrays on device r): a rank that has joined takes part in its
+    peers' allreduces on its own device (it used the engine thread's current device, 0, and
+    waited on an NCCL communicator its peers never made: the job hung)."""
+    import numpy as np
+
+    import hvddp
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    fake_cupy.ndarray.device = property(lambda self: fake_cupy._Dev(rank))
+    hvddp.init()
+    x = fake_cupy.asarray(np.full(4, float(rank + 1), dtype=np.float32))
+    assert np.asarray(hvddp.allreduce(x, name="own.first", op=hvddp.Sum)).tolist() == [3.0] * 4
+    if rank == 0:  # rank 1 has joined: it contributes zeros, on its device 1
+        assert np.asarray(hvddp.allreduce(x, name="own.second", op=hvddp.Sum)).tolist() == [1.0] * 4
+    assert hvddp.join() in (0, 1)
+    print(f"rank {rank}: joined on its own device", flush=True)
+    hvddp.shutdown()
+    return 0
+
+
+def out_of_memory_on_one_rank() -> int:
+    """Rank 1 alone cannot allocate a device output (CuPy's OutOfMemoryError is a MemoryError):
+    the job ends, naming it (its handles failed and its peer waited in the collective for ever)."""
+    import numpy as np
+
+    import hvddp
+    from hvddp.backends import gpu
+
+    hvddp.init()
+    x = fake_cupy.asarray(np.ones(1000, dtype=np.float32))
+    hvddp.allreduce(x, name="warm", op=hvddp.Sum)
+    if hvddp.rank() == 1:
+        def no_memory(self, shape, dtype):
+            raise MemoryError("out of device memory (simulated)")
+        gpu.GpuExecutor._empty = no_memory
+    try:  # (a script that goes on after a failed step: its peer must not wait in the step for ever)
+        hvddp.allreduce(x, name="big", op=hvddp.Sum)
+        print(f"rank {hvddp.rank()}: the allreduce returned", flush=True)
+    except hvddp.HvddpError as exc:
+        print(f"rank {hvddp.rank()}: raised {exc}", flush=True)
+    hvddp.barrier()
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    modes = {"join-own-device": join_on_own_device, "out-of-memory": out_of_memory_on_one_rank}
+    sys.exit(modes[sys.argv[1]]() if sys.argv[1:] else main())

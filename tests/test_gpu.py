@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 import ml_dtypes
 import numpy as np
@@ -460,9 +461,23 @@ def test_gpu_executor_on_the_cupy_stand_in(kernel_library, np_):
     result = mpirun.run(np_, [os.path.join(mpirun.ROOT, "tests", "mpi_gpu_fake.py")], timeout=120,
                         env={"HVDDP_FAKE_KERNELS": kernel_library})
     assert "TOTAL FAILURES 0" in result.stdout, result.stdout
-    for path in ("NCCL", "MPI"):  # 190 cases; the ranks that did not join check 6 more (a joined rank)
-        assert result.stdout.count(f"{path} np={np_}: 196 allreduce tensors") == np_ - 1, result.stdout
+    for path in ("NCCL", "MPI"):  # 190 cases; the ranks that did not join check 18 more (a joined rank)
+        assert result.stdout.count(f"{path} np={np_}: 208 allreduce tensors") == np_ - 1, result.stdout
         assert result.stdout.count(f"{path} np={np_}: 190 allreduce tensors") == 1, result.stdout
+
+
+def test_a_joined_rank_reduces_on_its_own_device(kernel_library):
+    result = mpirun.run(2, [os.path.join(mpirun.ROOT, "tests", "mpi_gpu_fake.py"), "join-own-device"],
+                        timeout=60, env={"HVDDP_FAKE_KERNELS": kernel_library})
+    assert result.stdout.count("joined on its own device") == 2, result.stdout
+
+
+def test_out_of_device_memory_on_one_rank_ends_the_job(kernel_library):
+    started = time.monotonic()
+    result = mpirun.run(2, [os.path.join(mpirun.ROOT, "tests", "mpi_gpu_fake.py"), "out-of-memory"],
+                        timeout=60, env={"HVDDP_FAKE_KERNELS": kernel_library}, check=False)
+    assert result.returncode != 0 and "hvddp engine failed on rank 1: MemoryError" in result.stdout, result.stdout
+    assert "the allreduce returned" not in result.stdout and time.monotonic() - started < 45, result.stdout
 
 
 def test_gpu_check_script_runs_every_section_on_the_stand_in(kernel_library):

@@ -28,7 +28,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .._dtypes import bfloat16
-from ..engine.executor import joined_value
+from ..engine.executor import _fatal_if_local, joined_value
 from ..engine.messages import Kind, ReduceOp, Request
 from ..exceptions import HvddpError
 from . import gpu_pack
@@ -175,6 +175,7 @@ class GpuExecutor:
         self._streams: Dict[int, Any] = {}
         self._fusion: Dict[Tuple[int, str], Any] = {}
         self._pinned: Dict[str, np.ndarray] = {}
+        self._last_device: Dict[int, int] = {}  # process set id -> the device its last entry was on
 
     # Resources ---------------------------------------------------------------------------
     def stream(self, device_id: int):
@@ -218,10 +219,16 @@ class GpuExecutor:
                 seen.add(id(event))
                 stream.wait_event(event)
 
-    def _device_of(self, entry) -> int:
+    def _device_of(self, entry, ps_id: int) -> int:
+        """The device of ``entry``'s input; for a rank that has joined (no entry), the device its
+        last entry on that process set was on: the engine thread's current device is device 0,
+        whatever the rank trains on, so its NCCL calls would wait on a communicator its peers
+        never make."""
         if entry is not None and entry.input is not None:
-            return entry.input.device.id
-        return self.cupy.cuda.Device().id
+            device = self._last_device[ps_id] = entry.input.device.id
+            return device
+        device = self._last_device.get(ps_id)
+        return self.cupy.cuda.Device().id if device is None else device
 
     def _record(self, stream, results, keep) -> None:
         event = self.cupy.cuda.Event(block=True, disable_timing=True)
@@ -253,13 +260,14 @@ class GpuExecutor:
     # Allreduce ---------------------------------------------------------------------------
     def allreduce_batch(self, batch: Sequence[Tuple[Request, Any, Any]]) -> None:
         """Reduce a fused batch of device allreduces (same process set, op and scale factors)."""
-        devices = [self._device_of(item[1]) for item in batch]
+        devices = [self._device_of(item[1], item[0].ps_id) for item in batch]
         wires = [wire_for(item[0].dtype, self.path, self.bf16) for item in batch]
         for group in split_by(list(zip(devices, wires))):
             items = [batch[i] for i in group]
             try:
                 self._allreduce_group(items, devices[group[0]], wires[group[0]])
             except Exception as exc:
+                _fatal_if_local(exc)  # (out of device memory on one rank: its peers would wait)
                 error = exc if isinstance(exc, HvddpError) else HvddpError(
                     f"allreduce of {[item[0].name for item in items]} on the GPU failed: {exc}")
                 _fail_all([(item[1], None) for item in items], error)
@@ -318,11 +326,13 @@ class GpuExecutor:
                     keep.append(gpu_pack.launch_copy(sub_plan, dtypes[sub[0]], wire, src,
                                                      [fused[i] for i in sub], pre, stream))
                 if request0.op in (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT):
+                    identity = joined_value(request0.op, buf.dtype)
+                    if wire == "bfloat16":  # the buffer holds bfloat16 bits: the float identity's
+                        identity = int(np.asarray(joined_value(request0.op, bfloat16()), bfloat16()).view(np.uint16))
                     with stream:  # a joined rank's slices (packed as zeros) hold the op's identity
                         for i, it in enumerate(items):
                             if it[1] is None and counts[i]:
-                                buf[plan.offsets[i]:plan.offsets[i] + counts[i]].fill(
-                                    joined_value(request0.op, buf.dtype))
+                                buf[plan.offsets[i]:plan.offsets[i] + counts[i]].fill(identity)
                 averaged = False
                 if plan.total:
                     if adasum:
@@ -382,13 +392,14 @@ class GpuExecutor:
     def run_one(self, request: Request, entry, info) -> None:
         """Run one device broadcast/allgather/alltoall/reducescatter; errors go to the entry."""
         try:
-            device_id = self._device_of(entry)
+            device_id = self._device_of(entry, request.ps_id)
             with self.cupy.cuda.Device(device_id):
                 if self.path == "NCCL":
                     self._nccl_one(request, entry, info, device_id)
                 else:
                     self._staged_one(request, entry, info, device_id)
         except Exception as exc:
+            _fatal_if_local(exc)
             if entry is not None:
                 entry.fail(exc if isinstance(exc, HvddpError) else
                            HvddpError(f"{request.kind.value} {request.name!r} on the GPU failed: {exc}"))
