@@ -323,6 +323,18 @@ def test_a_rank_that_cannot_allocate_ends_the_job_instead_of_hanging_it():
     assert elapsed < 15, f"took {elapsed:.1f} s\n{out}"
 
 
+def test_a_failure_one_rank_meets_before_its_mpi_call_ends_the_job():
+    """Not only MemoryError: any exception the executor meets on one rank before that rank's MPI
+    call (here packing a fusion batch) stops its engine, so the job ends (before, its handle
+    failed and the engine went on, while rank 0 waited inside MPI for ever)."""
+    result, elapsed = _timed(2, [SCRIPT, "local_failure"], timeout=60)
+    out = result.stdout
+    assert result.returncode != 0, out
+    assert "rank 1: REDUCE FAILED" in out and "hvddp engine failed on rank 1" in out, out
+    assert "simulated: a failure on this rank alone" in out and "rank 0: reduced" not in out, out
+    assert elapsed < 15, f"took {elapsed:.1f} s\n{out}"
+
+
 def test_a_process_set_the_mpi_library_cannot_make_fails_every_rank():
     """MPICH makes about 2,000 communicators per process, one per registered process set: the
     add that finds none left stops the engine, and its call fails on every rank, naming the limit

@@ -297,6 +297,7 @@ class Executor:
         post = _post_factor(request0, ps.size)
         wire = wire_dtype(request0.dtype)
         tl = self.timeline
+        sent = False  # whether this rank has reached the batch's collective call
         try:
             if len(batch) == 1 and wire == request0.dtype and not adasum:
                 request, entry, _ = batch[0]
@@ -306,6 +307,7 @@ class Executor:
                 if pre != 1.0 and entry is not None:  # (a joined rank's identity stays unscaled)
                     _scaled_copy(dst, src, pre)
                     src = dst
+                sent = True
                 if src is dst:
                     self.mpi.allreduce_inplace(ps.comm, dst, request.op, chunk)
                 else:
@@ -331,6 +333,7 @@ class Executor:
                 if tl:
                     tl.activities([item[0].key() for item in batch], "MPI_ADASUM_ALLREDUCE" if adasum
                                   else "CMA_ALLREDUCE" if cma is not None else "MPI_ALLREDUCE")
+                sent = True
                 if adasum:
                     from ..backends import adasum as adasum_backend
 
@@ -350,7 +353,7 @@ class Executor:
         except Exception as exc:
             if tl:  # (its spans end with it)
                 tl.end([item[0].key() for item in batch])
-            _fatal_if_local(exc)
+            _fatal_if_local(exc, before_the_call=not sent)
             _fail(batch, exc)
             return
         if tl:
@@ -370,6 +373,7 @@ class Executor:
         pre = request0.prescale
         post = _post_factor(request0, ps.size)
         names = [item[0].key() for item in group] if self.timeline else None
+        sent = False  # whether this rank has reached the group's collective call
         try:
             srcs, dsts = [], []
             for request, entry, _ in group:
@@ -383,11 +387,12 @@ class Executor:
                 dsts.append(dst)
             if names:
                 self.timeline.activities(names, "CMA_ALLREDUCE")
+            sent = True
             (cma.allreduce_packed if packed else cma.allreduce_many)(srcs, dsts, request0.op, post)
         except Exception as exc:
             if names:  # (its spans end with it)
                 self.timeline.end(names)
-            _fatal_if_local(exc)
+            _fatal_if_local(exc, before_the_call=not sent)
             _fail(group, exc)
             return
         if names:
@@ -487,15 +492,16 @@ def shares_memory(starts: np.ndarray, arrays: list) -> bool:
     return starts.size > 1 and bool((np.maximum.accumulate(ends)[:-1] > starts[1:]).any())
 
 
-def _fatal_if_local(exc: Exception) -> None:
+def _fatal_if_local(exc: Exception, before_the_call: bool = False) -> None:
     """Re-raise what only this rank can have hit, so that the engine stops (and the job ends).
 
     A failure every rank meets alike (an agreed error) fails the handles and the engine goes on.
-    One rank that cannot allocate an output or a copy fails before its peers' MPI call returns:
-    they would wait in it forever. Re-raised, it stops this rank's engine, fails its handles
-    with the cause, and marks the world broken, so that the job ends rather than hangs.
+    One rank that cannot allocate an output or a copy, or meets any error before it reaches the
+    collective call (``before_the_call``: packing a fusion batch, say), fails before its peers'
+    call returns: they would wait in it forever. Re-raised, it stops this rank's engine, fails
+    its handles with the cause, and marks the world broken, so that the job ends rather than hangs.
     """
-    if isinstance(exc, MemoryError):
+    if before_the_call or isinstance(exc, MemoryError):
         raise exc
 
 

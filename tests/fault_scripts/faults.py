@@ -75,6 +75,22 @@ if mode == "oom":  # rank 1 cannot allocate an allgather's output: it fails alon
     except hvddp.HvddpError as exc:
         say(f"rank {rank}: GATHER FAILED: {exc}")
     sys.exit(0)  # caught and gone on: the exit must end the job (rank 0 waits inside MPI)
+if mode == "local_failure":  # rank 1 alone fails packing a fusion batch, before its MPI call
+    x = [np.ones(4), np.ones(5)]
+    hvddp.grouped_allreduce(x, name="warm")
+    if rank == 1:
+        from hvddp.engine import executor
+
+        def broken_buffer(self, dtype, count):
+            raise RuntimeError("simulated: a failure on this rank alone")
+
+        executor.Executor._fusion_buffer = broken_buffer
+    try:
+        hvddp.grouped_allreduce(x, name="packed")
+        say(f"rank {rank}: reduced")
+    except hvddp.HvddpError as exc:
+        say(f"rank {rank}: REDUCE FAILED: {exc}")
+    sys.exit(0)  # caught and gone on: the exit must end the job (rank 0 waits inside MPI)
 if mode == "communicators":  # process sets never removed, until MPI makes no more communicators
     try:
         for count in range(5000):
