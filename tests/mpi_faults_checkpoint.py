@@ -72,9 +72,17 @@ import torch  # noqa: E402
 
 from hvddp.torch import checkpoint as torch_checkpoint  # noqa: E402
 
+class Unsaveable:  # a scheduler whose state cannot be gathered
+    def state_dict(self):
+        raise AttributeError("no state here")
+
+    def load_state_dict(self, state):
+        pass
+
+
 try:
     torch_checkpoint.save_checkpoint(os.path.join(directory, "torch.pt"), torch.nn.Linear(2, 2),
-                                     scheduler=object())
+                                     scheduler=Unsaveable())
 except checkpoint.CheckpointError as exc:
     assert "AttributeError" in str(exc) and "rank 0 could not write it" in str(exc), exc
 else:
@@ -211,6 +219,64 @@ cosine = torch.optim.lr_scheduler.CosineAnnealingLR(sgd, T_max=10)
 raises(checkpoint.CheckpointError, ["holds the state of scheduler class StepLR",
                                     "load_checkpoint was given class CosineAnnealingLR"],
        torch_checkpoint.load_checkpoint, counted, sched_net, sgd, scheduler=cosine)
+
+# ... and so is a chain of schedulers whose phases are of other classes (SequentialLR's state
+# holds its phases': a cosine phase loaded silently with the step phase's attributes, and a chain
+# of other length raised IndexError on the ranks that had it, while the others waited for ever)
+def chained(second):
+    warm = torch.optim.lr_scheduler.LinearLR(sgd, 0.5, total_iters=2)
+    return torch.optim.lr_scheduler.SequentialLR(sgd, [warm, *second], milestones=[2][:len(second)])
+
+
+torch_checkpoint.save_checkpoint(counted, sched_net, sgd, scheduler=chained([torch.optim.lr_scheduler.StepLR(sgd, 1)]))
+raises(checkpoint.CheckpointError, ["holds the state of scheduler class SequentialLR(LinearLR, StepLR)",
+                                    "given class SequentialLR(LinearLR, CosineAnnealingLR)"],
+       torch_checkpoint.load_checkpoint, counted, sched_net, sgd,
+       scheduler=chained([torch.optim.lr_scheduler.CosineAnnealingLR(sgd, T_max=10)]))
+if hvddp.size() == 2:
+    raises(checkpoint.CheckpointError, ["given class SequentialLR(LinearLR)"] + ([] if rank else ["failed on rank 1"]),
+           torch_checkpoint.load_checkpoint, counted, sched_net, sgd,
+           scheduler=chained([] if rank else [torch.optim.lr_scheduler.StepLR(sgd, 1)]))
+
+
+class Flaky(Unsaveable):  # a scheduler of the saved class whose loading fails on rank 1 alone
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        if rank == 1:
+            raise IndexError("list index out of range")
+
+
+torch_checkpoint.save_checkpoint(counted, scheduler=Flaky())
+if hvddp.size() == 2:  # (an IndexError was not caught: rank 1 raised it alone, rank 0 waited for ever)
+    raises(checkpoint.CheckpointError, ["IndexError: list index out of range"] +
+           ([] if rank else ["failed on rank 1", "replicas now differ"]),
+           torch_checkpoint.load_checkpoint, counted, scheduler=Flaky())
+
+# Objects of the wrong kind are named by their argument (a state dict given as the model raised a
+# bare AttributeError, or failed as if the disk had; an optimizer given as the model was saved)
+raises(TypeError, ["load_checkpoint: model must be a torch.nn.Module, got OrderedDict",
+                   "pass the model itself, not its state_dict()"],
+       torch_checkpoint.load_checkpoint, good, two.state_dict())
+raises(TypeError, ["save_checkpoint: model must be a torch.nn.Module, got SGD."],
+       torch_checkpoint.save_checkpoint, good, sgd)
+raises(TypeError, ["save_checkpoint: optimizer must be a torch.optim.Optimizer", "got dict"],
+       torch_checkpoint.save_checkpoint, good, two, sgd.state_dict())
+raises(TypeError, ["scheduler must have state_dict() and load_state_dict()", "got object"],
+       torch_checkpoint.save_checkpoint, good, two, scheduler=object())
+raises(TypeError, ["rng must be True or False, got rng='no'"], torch_checkpoint.load_checkpoint, good, two, rng="no")
+
+# RNG states come back whatever map_location moves the tensors to (torch restores them from CPU
+# tensors only: with a GPU map_location the restore failed after the model had loaded)
+torch.manual_seed(10 + rank)
+np.random.seed(20 + rank)
+torch_checkpoint.save_checkpoint(counted)
+want = (torch.rand(3), np.random.rand(3))
+torch.manual_seed(99)
+np.random.seed(99)
+torch_checkpoint.load_checkpoint(counted, map_location="meta")  # (meta: a device that is not the CPU)
+assert torch.equal(torch.rand(3), want[0]) and np.array_equal(np.random.rand(3), want[1])
 
 sys.stdout.write(f"rank {rank}: CHECKPOINT OK\n")
 sys.stdout.flush()

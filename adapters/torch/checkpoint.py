@@ -71,17 +71,34 @@ def rng_state() -> Dict[str, Any]:
 
 
 def set_rng_state(state: Dict[str, Any]) -> None:
-    """Restore what ``rng_state()`` returned."""
+    """Restore what ``rng_state()`` returned (its tensors may also be lists, or on any device)."""
     random.setstate(_tuples(state["python"]))
     n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-    torch.set_rng_state(state["torch"])
+    np.random.set_state((n["kind"], np.asarray(_cpu(n["keys"], torch.int64)).astype(np.uint32), n["pos"],
+                         n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(_cpu(state["torch"], torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
         if len(state["cuda"]) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(state["cuda"])
+            torch.cuda.set_rng_state_all([_cpu(s, torch.uint8) for s in state["cuda"]])
         else:
             log.warning("checkpoint has CUDA RNG states of %d devices, this process sees %d; "
                         "CUDA RNG not restored.", len(state["cuda"]), torch.cuda.device_count())
+
+
+def _cpu(value: Any, dtype: torch.dtype) -> torch.Tensor:
+    """A saved RNG state as a CPU tensor: from a list (as checkpoints keep them), or a tensor."""
+    return value.cpu() if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=dtype)
+
+
+def _as_lists(state: Dict[str, Any]) -> Dict[str, Any]:
+    """``rng_state()`` with its tensors as lists of ints, so that a ``map_location`` given to
+    ``load_checkpoint`` (a GPU, say) leaves them alone: torch restores RNG states from CPU tensors
+    only (with ``map_location="cuda:0"`` the restore failed after the model had loaded)."""
+    plain = dict(state, numpy=dict(state["numpy"], keys=state["numpy"]["keys"].tolist()),
+                 torch=state["torch"].tolist())
+    if "cuda" in state:
+        plain["cuda"] = [s.tolist() for s in state["cuda"]]
+    return plain
 
 
 def _tuples(value):
@@ -120,6 +137,7 @@ def save_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Modu
 
     def describe() -> Dict[str, Any]:  # checked on every rank at once, and this rank's RNG states
         _core.file_path(path, "save_checkpoint")
+        _check_objects("save_checkpoint", model, optimizer, scheduler, rng)
         counters.update(epoch=_core.counter(epoch, "save_checkpoint", "epoch"),
                         step=_core.counter(step, "save_checkpoint", "step"))
         return {"root_rank": _core.root_of(root_rank, "save_checkpoint", process_set), "rng": bool(rng),
@@ -127,16 +145,16 @@ def save_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Modu
 
     every = _core.agree("save_checkpoint", describe, process_set)
     root_rank = every[0]["root_rank"]
-    rngs = [d["_rng"] for d in every] if rng else None
+    rngs = [_as_lists(d["_rng"]) for d in every] if rng else None
 
     def data(f):  # the root gathers the state in here: a failure is reported on every rank
         state = {
             "format": FORMAT, "size": process_set.size(), **counters,
             "model": model.state_dict() if model is not None else None,
             "optimizer": optimizer.state_dict() if optimizer is not None else None,
-            "optimizer_class": type(optimizer).__name__ if optimizer is not None else None,
+            "optimizer_class": _class_name(optimizer) if optimizer is not None else None,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "scheduler_class": type(scheduler).__name__ if scheduler is not None else None,
+            "scheduler_class": _class_name(scheduler) if scheduler is not None else None,
             "extra": extra, "rng": rngs,
         }
         if extra is not None:
@@ -184,6 +202,7 @@ def load_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Modu
     """
     def describe() -> Dict[str, Any]:  # every rank loads into the same kinds of objects
         _core.file_path(path, "load_checkpoint")
+        _check_objects("load_checkpoint", model, optimizer, scheduler, rng)
         return {"root_rank": _core.root_of(root_rank, "load_checkpoint", process_set), "rng": bool(rng),
                 "weights_only": bool(weights_only), "strict": bool(strict),
                 **_given(model, optimizer, scheduler)}
@@ -208,7 +227,7 @@ def load_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Modu
                 obj.load_state_dict(state[what], strict=strict)
             else:
                 obj.load_state_dict(state[what])
-        except (RuntimeError, KeyError, ValueError, TypeError) as exc:  # torch's own
+        except Exception as exc:  # torch's own, or a scheduler's (every rank must hear of it)
             error = _core.CheckpointError(f"checkpoint {path!r}: its {what} state does not fit the "
                                           f"{what} given ({type(exc).__name__}: {exc})")
             error.__cause__ = exc
@@ -223,6 +242,35 @@ def load_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Modu
                         "restored, so random draws will differ from the saving job's.",
                         path, len(state["rng"]), process_set.size())
     return {"epoch": state["epoch"], "step": state["step"], "extra": state["extra"]}
+
+
+def _check_objects(fn: str, model: Any, optimizer: Any, scheduler: Any, rng: Any) -> None:
+    """Refuse objects of the wrong kind by the argument's name (a state dict given as the model
+    failed as an AttributeError, or as a write error; an optimizer given as the model was saved
+    as one)."""
+    wanted = (("model", model, torch.nn.Module, "a torch.nn.Module"),
+              ("optimizer", optimizer, torch.optim.Optimizer,
+               "a torch.optim.Optimizer (or hvddp.torch's DistributedOptimizer)"))
+    for what, obj, kind, described in wanted:
+        if obj is not None and not isinstance(obj, kind):
+            hint = f"; pass the {what} itself, not its state_dict()" if isinstance(obj, dict) else ""
+            raise TypeError(f"{fn}: {what} must be {described}, got {type(obj).__name__}{hint}.")
+    if scheduler is not None and not all(callable(getattr(scheduler, m, None))
+                                         for m in ("state_dict", "load_state_dict")):
+        raise TypeError(f"{fn}: scheduler must have state_dict() and load_state_dict() (an LR "
+                        f"scheduler), got {type(scheduler).__name__}.")
+    if not isinstance(rng, (bool, np.bool_)):
+        raise TypeError(f"{fn}: rng must be True or False, got rng={rng!r}.")
+
+
+def _class_name(obj: Any) -> str:
+    """An optimizer's or scheduler's class, with the classes of the schedulers it chains
+    (SequentialLR, ChainedScheduler: its state dict holds theirs), e.g. 'SequentialLR(LinearLR,
+    StepLR)'."""
+    inner = getattr(obj, "_schedulers", None)
+    if isinstance(inner, (list, tuple)) and inner:
+        return f"{type(obj).__name__}({', '.join(_class_name(s) for s in inner)})"
+    return type(obj).__name__
 
 
 def _given(model: Any, optimizer: Any, scheduler: Any) -> Dict[str, bool]:
@@ -267,9 +315,13 @@ def _check_fits(path: str, state: Dict[str, Any], given: list, model: Any, optim
                                         f"load_checkpoint was given a {what}.")
     for what, obj in given:  # (files from before a class was saved have none)
         saved_class = state.get(f"{what}_class")
-        if what != "model" and saved_class not in (None, type(obj).__name__):
+        if what == "model" or saved_class is None:
+            continue
+        given_class = _class_name(obj)
+        older = "(" not in saved_class and saved_class == type(obj).__name__  # (saved the outer class alone)
+        if saved_class != given_class and not older:
             raise _core.CheckpointError(f"checkpoint {path!r} holds the state of {what} class {saved_class}"
-                                        f"; load_checkpoint was given class {type(obj).__name__}.")
+                                        f"; load_checkpoint was given class {given_class}.")
     if model is not None:
         _check_model_fits(path, model, state["model"])
     if optimizer is not None:
