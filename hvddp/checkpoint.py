@@ -24,9 +24,12 @@ Example:
 from __future__ import annotations
 
 import glob
+import hashlib
 import operator
 import os
 import pickle
+import socket
+import time
 import uuid
 from typing import Any, BinaryIO, Callable, Dict, List, Optional, Union
 
@@ -44,8 +47,12 @@ class CheckpointError(HvddpError):
     """The root rank could not write or read a checkpoint; raised on every rank alike."""
 
 
-# room left in a file name (255 bytes on Linux file systems) for ".tmp.<pid>.<12 hex digits>"
-_NAME_ROOM = 255 - len(".tmp.4194304.") - 12 - 1
+# room left in a file name (255 bytes on Linux file systems) for ".tmp.<pid>.<12 hex>.<8 hex>"
+_NAME_ROOM = 255 - len(".tmp.4194304.") - 12 - 9 - 1
+# which host wrote a temporary file: a process id means something on its own host only
+_HOST = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+# a temporary file another host left is deleted once it is this old (its writer may still run)
+FOREIGN_STALE_S = 24 * 3600
 
 
 def _tmp_prefix(path: str) -> str:
@@ -94,7 +101,7 @@ def atomic_write(path: Union[str, os.PathLike], data: Data) -> None:
     prefix = _tmp_prefix(path)
     # one temporary file per writer (process, thread, call): concurrent writers of one path
     # must not write into, rename or delete each other's
-    tmp = f"{prefix}{os.getpid()}.{uuid.uuid4().hex[:12]}"
+    tmp = f"{prefix}{os.getpid()}.{uuid.uuid4().hex[:12]}.{_HOST}"
     try:
         with open(tmp, "wb") as f:
             if callable(data):
@@ -112,7 +119,7 @@ def atomic_write(path: Union[str, os.PathLike], data: Data) -> None:
         raise
     _fsync_dir(directory)
     for stale in glob.glob(glob.escape(prefix) + "*"):  # left by writers that crashed
-        if _writer_alive(stale[len(prefix):]):
+        if _writer_alive(stale, stale[len(prefix):]):
             continue  # another writer's file, still being written
         try:
             os.unlink(stale)
@@ -120,12 +127,23 @@ def atomic_write(path: Union[str, os.PathLike], data: Data) -> None:
             pass
 
 
-def _writer_alive(suffix: str) -> bool:
-    """Whether the process that named a temporary file ``<pid>.<random>`` still runs here."""
+def _writer_alive(stale: str, suffix: str) -> bool:
+    """Whether the process that named a temporary file ``<pid>.<random>.<host>`` may still write it.
+
+    On its own host, whether that process runs. A file from another host (a shared file system)
+    counts as being written until it is ``FOREIGN_STALE_S`` old: that host's process ids mean
+    nothing here (a save on one node deleted another node's file while it was being written).
+    """
+    parts = suffix.split(".")
     try:
-        pid = int(suffix.split(".", 1)[0])
+        pid = int(parts[0])
     except ValueError:
         return False  # not one of ours (or an older naming): stale
+    if len(parts) >= 3 and parts[2] != _HOST:
+        try:
+            return time.time() - os.path.getmtime(stale) < FOREIGN_STALE_S
+        except OSError:
+            return True  # gone already
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

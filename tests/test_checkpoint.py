@@ -39,6 +39,30 @@ def test_crash_mid_write_leaves_previous_checkpoint_intact(tmp_path):
         atomic_write(path, "text")
 
 
+def test_a_save_leaves_another_hosts_temporary_file_alone_until_it_is_old(tmp_path):
+    """On a shared filesystem another node's writer may be mid-write: its process id means nothing
+    here (a save deleted that file as a crashed writer's, and the other node's rename failed).
+    A crashed writer's file from this host, or another host's from days ago, is removed."""
+    import os
+    import time
+
+    from hvddp.checkpoint import _tmp_prefix, atomic_write
+
+    path = str(tmp_path / "last.pt")
+    prefix = _tmp_prefix(path)
+    busy = f"{prefix}4194000.0123456789ab.ffffffff"  # another host's writer, still writing
+    old = f"{prefix}4194001.0123456789ab.fffffffe"  # another host's, left two days ago
+    dead = f"{prefix}4194002.0123456789ab"  # this host's crashed writer (no such process here)
+    for name in (busy, old, dead):
+        with open(name, "wb") as f:
+            f.write(b"half")
+    os.utime(old, (time.time() - 2 * 86400,) * 2)
+    atomic_write(path, b"this node's checkpoint")
+    assert os.path.exists(busy) and not os.path.exists(old) and not os.path.exists(dead)
+    os.replace(busy, path)  # the other node's save completes
+    assert open(path, "rb").read() == b"half"
+
+
 def test_concurrent_writers_never_tear_or_fail(tmp_path):
     """Two threads save to one path while a third reads it: every read is one writer's whole
     file, no save fails, and no temporary file is left (each writer has its own)."""
