@@ -1146,6 +1146,64 @@ def test_adasum_two_optimizers_groups_added_unfrozen_scheduler_and_passes():
     assert opt2.backward_passes_per_step == 2
 
 
+def test_zero_grad_keeps_the_wrapped_optimizers_signature_and_default():
+    """As Horovod: the wrapped class's own zero_grad gets the call's arguments (a zero_grad that
+    takes none raised TypeError on set_to_none; one that defaults to False got True)."""
+    class Old(torch.optim.SGD):
+        def zero_grad(self):  # an older third-party optimizer
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+
+    class Keeps(torch.optim.SGD):
+        def zero_grad(self, set_to_none: bool = False):
+            super().zero_grad(set_to_none=set_to_none)
+
+    for kind, kept in ((Old, False), (Keeps, True)):
+        model = Net()
+        opt = hvd.DistributedOptimizer(kind(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+        x, y = batch(0)
+        F.mse_loss(model(shard(x)), shard(y)).backward()
+        opt.step()
+        opt.zero_grad()
+        assert (model.fc1.weight.grad is not None) == kept, kind.__name__
+        if kept:
+            assert not model.fc1.weight.grad.any()
+
+
+class _InPlaceFixedPoint(hvd.Compressor):
+    """A compressor that scales the gradient up in place for the wire, and back."""
+
+    @staticmethod
+    def compress(tensor):
+        return tensor.mul_(1024.0), 1024.0
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor / ctx
+
+
+def test_a_compressor_that_compresses_in_place_is_decompressed():
+    """decompress() was skipped when compress() returned the gradient itself: the update used the
+    compressed values (1024x too large), silently."""
+    w = torch.nn.Parameter(torch.zeros(3))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), named_parameters=[("w", w)],
+                                   compression=_InPlaceFixedPoint)
+    (w * (R + 1.0)).sum().backward()
+    opt.step()
+    want = -sum(range(1, N + 1)) / N
+    assert torch.allclose(w.detach(), torch.full((3,), want)), w
+
+
+def test_a_complex_parameter_is_refused_by_name():
+    """(it failed inside backward(), naming no parameter and suggesting a numpy cast)"""
+    model = torch.nn.Linear(2, 2)
+    model.register_parameter("phase", torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64)))
+    with pytest.raises(TypeError, match=r"parameter 'phase' is torch.complex64.*torch.view_as_real"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=model.named_parameters())
+
+
 def _pair(kind="sgd", **kwargs):
     torch.manual_seed(0)
     ref = Net()

@@ -177,7 +177,7 @@ class _DistributedAdasumOptimizer(WrapperCommon):
             raise errors[0]
         return loss
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, *args, **kwargs) -> None:
         """Reset gradients as the wrapped optimizer does.
 
         Raises:
@@ -194,7 +194,7 @@ class _DistributedAdasumOptimizer(WrapperCommon):
                              f"of fewer than backward_passes_per_step={self._hvddp_bpps} passes are "
                              f"being accumulated, and zeroing them would drop those passes. Call step() "
                              f"first.")
-        return super().zero_grad(set_to_none=set_to_none)
+        return super().zero_grad(*args, **kwargs)  # (its own signature and defaults, as in Horovod)
 
 
 _DistributedAdasumOptimizer.step.hooked = True  # type: ignore[attr-defined]  (see optimizer.py)

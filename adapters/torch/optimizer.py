@@ -153,9 +153,9 @@ class _Flight:
                 continue
             if type(ctx) is _Rounded:  # reduced in float32: rounded once, as the core would
                 out.copy_(out.to(ctx.target))
-            if out is p.grad:  # reduced in place, zero-copy
-                continue
             value = out if type(ctx) is _Rounded else compression.decompress(out, ctx)
+            if value is p.grad:  # reduced (and decompressed, if at all) in place, zero-copy
+                continue
             if p.grad is not None and p.grad.layout == torch.sparse_coo and p.grad.shape == value.shape:
                 # reduced dense (sparse_as_dense, or in a group): sparse again for the update, as in
                 # Horovod, so that optimizers that take only sparse gradients (SparseAdam) still work
@@ -231,6 +231,12 @@ class _DistributedOptimizer(WrapperCommon):
         params = [p for group in self.param_groups for p in group["params"]]
         self._hvddp_count = len(params)  # (see _hvddp_follow_wrapped)
         self._hvddp_names = parameter_names(self.param_groups, named_parameters)
+        complex_ = [p for p in params if p.is_complex()]
+        if complex_:
+            raise TypeError(f"DistributedOptimizer: parameter {self._hvddp_names[complex_[0]]!r} is "
+                            f"{complex_[0].dtype}; hvddp reduces real tensors only. Keep the parameter real "
+                            f"(torch.view_as_real(p) as the parameter, torch.view_as_complex(p) where the "
+                            f"model uses it).")
         index = next(_instances.setdefault(process_set, itertools.count()))
         self._hvddp_prefix = "grad." if index == 0 else f"grad{index}."
         self._hvddp_compression = compression
@@ -675,8 +681,10 @@ class _DistributedOptimizer(WrapperCommon):
         finally:
             self._hvddp_should_synchronize = should
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset gradients as the wrapped optimizer does (``set_to_none`` as in torch).
+    def zero_grad(self, *args, **kwargs) -> None:
+        """Reset gradients as the wrapped optimizer does: its own ``zero_grad`` gets the arguments
+        (``set_to_none`` in torch's, with its default; an optimizer whose ``zero_grad`` takes none
+        gets none).
 
         Raises:
             hvddp.HvddpError: gradients of this step are still being reduced (called after
@@ -688,7 +696,7 @@ class _DistributedOptimizer(WrapperCommon):
                 f"zero_grad() was called after backward() and before step() or synchronize(): "
                 f"{len(self._hvddp_touched)} gradient(s) (e.g. {some}) are being reduced into "
                 f"p.grad. Call step() or synchronize() first.")
-        return super().zero_grad(set_to_none=set_to_none)
+        return super().zero_grad(*args, **kwargs)  # (its own signature and defaults, as in Horovod)
 
 
 # torch's Optimizer wraps ``type(self).step`` with its step-hook runner (in __init__ and again in
