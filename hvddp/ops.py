@@ -351,6 +351,8 @@ def _member_names(fn: str, base: Optional[str], names: Optional[Sequence[str]], 
             raise ValueError(f"{fn}: names must be distinct (one per tensor), got {list(names)!r}.")
         names = list(names)
         return base or names[0], names
+    if not count:  # an empty group takes no automatic name: nothing of it reaches the engine,
+        return base or kind, []  # so a joined rank would never count it
     base = base or _auto_name(kind, process_set)
     return base, [f"{base}.{i}" for i in range(count)]
 
@@ -526,7 +528,11 @@ def _gather_like(kind: Kind, fn: str, tensors: Sequence[Any], name, process_set,
     arguments and returns the arrays to send and the request's fields."""
     state, view = _process_set(process_set, fn)
     name = _check_name(name, fn)
-    base = name or _auto_name(f"grouped_{kind.value}" if grouped else kind.value, process_set)
+    auto = f"grouped_{kind.value}" if grouped else kind.value
+    if grouped and not _members(tensors):  # (empty: no automatic name, as in _member_names)
+        base = name or auto
+    else:
+        base = name or _auto_name(auto, process_set)
     names = [f"{base}.{i}" for i in range(_members(tensors))] if grouped else [base]
     with _refusing(state, view, kind, names):
         if grouped:
@@ -831,6 +837,12 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                                "broadcast_object")
 
 
+def _world_ranks(process_set: ProcessSet, positions: List[int]) -> List[int]:
+    """The ranks (``hvddp.rank()``, as errors name them everywhere) at ``positions`` in the set."""
+    ranks = process_set.ranks
+    return [ranks[i] for i in positions] if ranks is not None else positions
+
+
 def _unpickled_together(load: Callable[[], Any], name: str, process_set: ProcessSet, fn: str) -> Any:
     """``load()`` (unpickling what arrived), agreed by every rank of the set: a rank that cannot
     (a class that exists only on the sender, a ``__reduce__`` that fails) raises, and so does
@@ -840,10 +852,10 @@ def _unpickled_together(load: Callable[[], Any], name: str, process_set: Process
     except Exception as exc:  # whatever the object's own code raised
         value, failure = None, exc
     ok = allgather(np.array([failure is None], dtype=np.uint8), f"{name}.ok", process_set)
-    bad = [r for r, flag in enumerate(ok.tolist()) if not flag]
+    bad = _world_ranks(process_set, [i for i, flag in enumerate(ok.tolist()) if not flag])
     if bad:
         why = f" (here: {type(failure).__name__}: {failure})" if failure is not None else ""
-        raise TypeError(f"{fn}: rank(s) {bad} of the process set could not unpickle the object they "
+        raise TypeError(f"{fn}: rank(s) {bad} could not unpickle the object they "
                         f"received{why}; send values every rank can rebuild (classes importable on "
                         f"every rank, the same library versions).") from failure
     return value
@@ -859,9 +871,9 @@ def allgather_object(obj: Any, name: Optional[str] = None,
     sizes = allgather(np.array([data.size if data is not None else -1], dtype=np.int64), f"{name}.size",
                       process_set)
     if (sizes < 0).any():  # some rank could not pickle its object: every rank raises, none waits
-        bad = [r for r, n in enumerate(sizes.tolist()) if n < 0]
+        bad = _world_ranks(process_set, [i for i, n in enumerate(sizes.tolist()) if n < 0])
         why = f" (here: {type(failure).__name__}: {failure})" if failure is not None else ""
-        raise TypeError(f"allgather_object: rank(s) {bad} of the process set could not pickle their "
+        raise TypeError(f"allgather_object: rank(s) {bad} could not pickle their "
                         f"object{why}; send only picklable values (no locks, open files or sockets).") from failure
     gathered = allgather(data, f"{name}.data", process_set)
 

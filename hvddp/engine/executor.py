@@ -143,7 +143,8 @@ class Executor:
             request = item[0]
             if request.kind is not Kind.ALLREDUCE:
                 if cpu_entries and request.device == "cpu" and item[1] is not None and item[1].output is not None:
-                    _keep_inputs(cpu_entries, item[1].output)  # an in-place broadcast runs before them
+                    written = item[1].writeback if item[1].writeback is not None else item[1].output
+                    _keep_inputs(cpu_entries, written)  # an in-place broadcast runs before them
                 if request.device == "cpu" or request.kind in (Kind.BARRIER, Kind.JOIN):
                     self._run_one(*item)
                 else:
