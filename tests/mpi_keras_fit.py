@@ -319,6 +319,92 @@ def test_callback_arguments_are_checked_where_they_are_given():
                                             rf"int.*Received: steps_per_epoch={bad!r}"):
             hvd.callbacks.LearningRateWarmupCallback(0.1, steps_per_epoch=bad)
     assert hvd.callbacks.LearningRateWarmupCallback(0.1, steps_per_epoch=np.int64(4)).steps_per_epoch == 4
+    # a str root_rank or epoch was taken, and failed later (or never)
+    with pytest.raises(TypeError, match=r"BroadcastGlobalVariablesCallback: root_rank must be an int.*root_rank='0'"):
+        hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank="0")
+    for arg in ("start_epoch", "end_epoch"):
+        with pytest.raises(TypeError, match=rf"LearningRateScheduleCallback: {arg} must be a number.*{arg}='2'"):
+            hvd.callbacks.LearningRateScheduleCallback(0.1, 0.5, **{arg: "2"})
+    # the optimizer's: a numpy integer of passes is one (Horovod takes it); a str switch is no bool
+    assert hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=np.int64(2)
+                                    ).gradient_accumulation_steps == 2
+    for arg in ("average_aggregated_gradients", "sparse_as_dense", "scale_local_gradients"):
+        with pytest.raises(TypeError, match=rf"DistributedOptimizer: {arg} must be True or False.*{arg}='no'"):
+            hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), **{arg: "no"})
+
+
+def test_accumulators_are_averaged_after_the_first_pass_of_an_update_too():
+    """Keras' ``iterations`` counts updates, not passes: after pass 1 (or 5, 9...) of 2-pass
+    updates the check took the accumulators for empty, and a sync copied rank 0's partial sums
+    to every rank (a model built by its first step is broadcast right there)."""
+    model = model_with_passes()
+    x, y = global_data()
+    per = GLOBAL_BATCH // SIZE
+    model.fit(shard(x)[:per], shard(y)[:per], batch_size=per, epochs=1, shuffle=False, verbose=0)  # one pass
+    optimizer = model.optimizer
+    assert int(ops.convert_to_numpy(optimizer._iterations)) == 1
+    before = [ops.convert_to_numpy(a).copy() for a in optimizer._accumulated_gradients]
+    hvd.elastic.KerasState(model).sync()
+    mean = [np.asarray(hvd.allreduce(a, name=f"test.accumulator.{i}")) for i, a in enumerate(before)]
+    assert any(np.abs(m - b).max() > 1e-6 for m, b in zip(mean, before))  # (the ranks' sums differ)
+    for got, want in zip(optimizer._accumulated_gradients, mean):
+        np.testing.assert_allclose(ops.convert_to_numpy(got), want, rtol=1e-6, atol=1e-7)
+
+
+def test_a_gradient_no_rank_has_is_skipped_in_an_eager_apply():
+    """A custom loop's apply([g, None]): on JAX the None went to Keras as zeros, so AdamW's decay
+    and SGD's momentum moved the variable no rank had a gradient for (plain Keras skips it)."""
+    for make in (lambda: keras.optimizers.AdamW(0.1, weight_decay=0.5),
+                 lambda: keras.optimizers.SGD(0.1, momentum=0.9)):
+        after = []
+        for optimizer in (make(), hvd.DistributedOptimizer(make())):
+            a, b = keras.Variable(np.ones(2, "float32")), keras.Variable(np.ones(2, "float32"))
+            optimizer.build([a, b])
+            optimizer.apply([ops.ones(2), ops.ones(2)], [a, b])
+            optimizer.apply([ops.ones(2), None], [a, b])
+            after.append(ops.convert_to_numpy(b).copy())
+        np.testing.assert_allclose(after[1], after[0], rtol=1e-6)
+
+
+def test_from_config_sums_the_passes_as_the_wrapper_does():
+    """A copy made with from_config averaged the accumulated passes (its update was half the
+    wrapper's with two passes) where DistributedOptimizer and load_model sum them."""
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), backward_passes_per_step=2)
+    twin = type(optimizer).from_config(optimizer.get_config())
+    for each in (optimizer, twin):
+        v = keras.Variable(np.zeros(1, "float32"))
+        each.build([v])
+        for _ in range(2):
+            each.apply([ops.ones(1)], [v])
+        np.testing.assert_allclose(ops.convert_to_numpy(v), [-2.0])
+
+
+def test_jit_compile_on_a_set_of_one_rank_with_passes_or_compression():
+    """At one rank nothing is reduced, and XLA compiles the step: also with passes (their sum's
+    scale, in the backend's ops) and Compression.fp16 (nothing to compress for, as in Horovod); on
+    TensorFlow both reached the numpy reduction, which XLA refuses. Every rank trains on the same
+    batches: rank 0 alone in the set, the others outside it (their own gradients, the passes summed
+    alike)."""
+    alone = hvd.add_process_set([0])
+    x, y = global_data()
+    try:
+        for kwargs in (dict(backward_passes_per_step=2), dict(compression=hvd.Compression.fp16)):
+            weights = []
+            for jit in (True, False):
+                model = make_model(unused=False)
+                model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), process_set=alone,
+                                                                 **kwargs),
+                              loss="sparse_categorical_crossentropy", jit_compile=jit)
+                model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+                weights.append(model.get_weights())
+            for got, want in zip(*weights):  # (XLA computes tanh and its gradient its own way)
+                np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-5, err_msg=str(kwargs))
+            # the set of one trains as the ranks outside it do
+            theirs = hvd.broadcast_object(weights[1], root_rank=SIZE - 1, name=f"test.alone.{list(kwargs)[0]}")
+            for got, want in zip(weights[1], theirs):
+                np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    finally:
+        hvd.remove_process_set(alone)
 
 
 @pytest.mark.np3

@@ -57,7 +57,11 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         super().__init__()
         if isinstance(local_variables, ProcessSet):  # hvddp's earlier positional order
             process_set, local_variables = local_variables, None
-        self.root_rank = root_rank
+        if root_rank is not None and (isinstance(root_rank, (bool, np.bool_)) or
+                                      not isinstance(root_rank, numbers.Integral)):
+            raise TypeError(f"{type(self).__name__}: root_rank must be an int (a rank), or None for the process "
+                            f"set's first member; Received: root_rank={root_rank!r}.")
+        self.root_rank = None if root_rank is None else int(root_rank)
         self.process_set = _grouping.check_process_set(process_set, type(self).__name__)
         self.broadcast_done = False
         self._local = {}
@@ -229,6 +233,11 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
                                 f"Received: multiplier={multiplier!r}.") from None
             self.multiplier = lambda epoch: value
             self.staircase = True
+        for arg, epoch in (("start_epoch", start_epoch), ("end_epoch", end_epoch)):
+            if (epoch is not None or arg == "start_epoch") and (
+                    isinstance(epoch, (bool, np.bool_)) or not isinstance(epoch, numbers.Real)):
+                raise TypeError(f"{who}: {arg} must be a number (an epoch){', or None' if arg == 'end_epoch' else ''}; "
+                                f"Received: {arg}={epoch!r}.")
         self.start_epoch = start_epoch
         self.end_epoch = end_epoch
         self.momentum_correction = momentum_correction

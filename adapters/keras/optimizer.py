@@ -9,6 +9,7 @@ trainer) averages the gradients across ranks before handing them to the class's 
 
 from __future__ import annotations
 
+import numbers
 import sys
 from typing import Any, Dict, List, Optional
 
@@ -45,6 +46,9 @@ class _DistributedOptimizerMixin:
         settings = self.__dict__.get("_hvddp")
         if settings is None:  # created by from_config (e.g. a custom_objects mapping)
             settings = _default_settings()
+            config = self.get_config()  # accumulated passes summed, as DistributedOptimizer's and
+            # load_model's defaults do (with 1.0, the copy's update was the passes' count too small)
+            settings.update(postscale=_passes_postscale(config, False), passes=_passes(config))
             object.__setattr__(self, "_hvddp", settings)
         return settings
 
@@ -90,8 +94,9 @@ class _DistributedOptimizerMixin:
             factors = [_local_factor(settings) if is_local else settings["postscale"]  # (summed passes)
                        for is_local in local or [False] * len(grads)]
             return [_scaled(g, f) for g, f in zip(grads, factors)]
-        if ps.size() == 1 and settings["compression"] is Compression.none and settings["postscale"] == 1.0:
-            return grads
+        if ps.size() == 1:  # nothing to reduce, and nothing to compress for it (as Horovod at one
+            # rank): the summed passes' scale alone, in the backend's ops (so XLA compiles the step)
+            return [_scaled(g, settings["postscale"]) for g in grads]
         if len(grads) != len(variables):
             raise ValueError(f"{type(self).__name__}: got {len(grads)} gradients for {len(variables)} "
                              f"variables; pass one gradient per trainable variable.")
@@ -137,7 +142,9 @@ class _DistributedOptimizerMixin:
         grads = [keras.ops.zeros(v.shape, dtype=v.dtype) if g is None else g
                  for g, v in zip(grads, variables)]
         labels = [_label(v, i) for i, v in enumerate(variables)]
-        flagged = _backend.name() != "jax"  # JAX never gives None; the others may, per rank
+        # which ranks have each gradient: not while JAX traces (its fit never gives None, and the
+        # flags could not be read there); an eager apply on JAX may get None, as the others may
+        flagged = _backend.name() != "jax" or not _backend.jax_tracing(grads)
         if flagged:  # which ranks have each gradient, as one more member: 1 per gradient, then a 1
             grads.append(keras.ops.convert_to_tensor(np.array(present + [True], dtype="float32")))
             variables = variables + [None]
@@ -284,7 +291,9 @@ def average_accumulators(optimizer: Any, process_set: ProcessSet, name: str) -> 
     variables = list(optimizer._trainable_variables)
     if not optimizer._hvddp_deferred(variables):
         return
-    step = int(np.asarray(_backend.to_numpy(optimizer.iterations)))
+    # the passes run (Keras' ``iterations`` counts updates: the partial sums of passes 1, 5, 9...
+    # of 2-pass updates were copied from rank 0 unaveraged)
+    step = int(np.asarray(_backend.to_numpy(optimizer._iterations)))
     low, negated_high = hvddp.allreduce(np.array([step, -step], dtype=np.int64), op=hvddp.Min,
                                         name=f"{name}.iterations", process_set=ps)
     if low != -negated_high or step % optimizer.gradient_accumulation_steps == 0:
@@ -561,10 +570,15 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
     if is_distributed(optimizer):
         raise ValueError("DistributedOptimizer: this optimizer already averages gradients with hvddp; "
                          "wrap it once.")
-    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
-            or backward_passes_per_step < 1:
+    if isinstance(backward_passes_per_step, (bool, np.bool_)) \
+            or not isinstance(backward_passes_per_step, numbers.Integral) or backward_passes_per_step < 1:
         raise ValueError(f"DistributedOptimizer: backward_passes_per_step must be an int >= 1; "
                          f"Received: backward_passes_per_step={backward_passes_per_step!r}.")
+    backward_passes_per_step = int(backward_passes_per_step)
+    for arg, value in (("average_aggregated_gradients", average_aggregated_gradients),
+                       ("sparse_as_dense", sparse_as_dense), ("scale_local_gradients", scale_local_gradients)):
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"DistributedOptimizer: {arg} must be True or False; Received: {arg}={value!r}.")
     with _objects_kept(optimizer):
         wrapped = _rebuilt(optimizer, backward_passes_per_step, name, op, gradient_predivide_factor,
                            compression, process_set, average_aggregated_gradients, scale_local_gradients,
