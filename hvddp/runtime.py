@@ -326,13 +326,18 @@ def init(comm=None, process_sets: Union[None, str, Sequence[ProcessSet]] = None)
             _singleton_cleanup_registered = True
             atexit.register(_faults.remove_singleton_segments, MPI.Get_library_version())
         made = None  # a communicator made here from a list of ranks
-        if comm is None:
+        given = isinstance(comm, MPI.Comm)  # (its members alone call init: nothing on the world)
+        every = None if given else _agree_on_world(world, comm, bad_env)  # None: the whole world
+        if given:
+            if comm == MPI.COMM_NULL:
+                raise ValueError("init(comm=MPI.COMM_NULL): this rank is not in that communicator "
+                                 "(a Split or Create that left it out); pass a communicator it "
+                                 "belongs to, or a list of world ranks.")
+            base = comm
+        elif every is None:
             base = world
-        elif isinstance(comm, (list, tuple)):
-            ranks, problem = _checked_rank_list(comm, world.Get_size())
-            # checked on every rank at once: a rank with a bad or different list would otherwise
-            # run alone (as a size-1 world, silently), or hang its peers in Create
-            every = _raise_together(world, problem, payload=ranks, source="init(comm=...)")
+        else:
+            ranks = every[world.Get_rank()]
             # disjoint lists make separate worlds (one launch split into jobs); a rank's list must
             # be the list of every rank it names, or Create would wait for ranks that make another
             clash = next(((r, m) for r, theirs in enumerate(every) for m in theirs if every[m] != theirs), None)
@@ -348,15 +353,6 @@ def init(comm=None, process_sets: Union[None, str, Sequence[ProcessSet]] = None)
             else:
                 world.Create(MPI.GROUP_EMPTY)
                 base = MPI.COMM_SELF
-        elif isinstance(comm, MPI.Comm):
-            if comm == MPI.COMM_NULL:
-                raise ValueError("init(comm=MPI.COMM_NULL): this rank is not in that communicator "
-                                 "(a Split or Create that left it out); pass a communicator it "
-                                 "belongs to, or a list of world ranks.")
-            base = comm
-        else:
-            raise TypeError(f"init(comm=...) takes an mpi4py communicator or a list of ranks, "
-                            f"got {type(comm).__name__}.")
         _check_launcher(world.Get_size(), MPI)
         _raise_together(base, bad_env)
         state = _State()
@@ -561,6 +557,10 @@ def _check_process_sets(comm, process_sets) -> List[ProcessSet]:
         if isinstance(process_sets, ProcessSet):
             raise TypeError(f"init(process_sets=...) takes a list of ProcessSet objects, got one "
                             f"ProcessSet ({process_sets!r}): pass [it].")
+        if process_sets is not None and (isinstance(process_sets, (str, bytes)) or
+                                         not isinstance(process_sets, Iterable)):
+            raise TypeError(f"init(process_sets=...) takes a list of ProcessSet objects (or \"dynamic\"), "
+                            f"got {type(process_sets).__name__} {process_sets!r}.")
         sets, listed = [], set()
         for ps in process_sets or ():  # each object once: listed twice, it is registered once
             if ps is not global_process_set and id(ps) not in listed:
@@ -641,6 +641,44 @@ def _checked_rank_list(comm: Sequence[Any], world_size: int):
         return None, ValueError(f"init(comm=...): received {ranks}, but {why}; pass distinct world "
                                 f"ranks from 0 to {world_size - 1}.")
     return ranks, None
+
+
+def _agree_on_world(world, comm: Any, bad_env: Optional[Exception]) -> Optional[List[List[int]]]:
+    """Check, on every rank of the world at once, what each rank that was given no communicator
+    passed as ``comm``: nothing (the whole world) or a list of world ranks. Returns every rank's
+    list, or None when every rank passed nothing.
+
+    One allgather carries this rank's errors too (a bad list or type, a bad ``HVDDP_*`` value), so
+    that every rank raises, naming the rank and what it passed: ranks that passed different kinds
+    (``init()`` on one, ``init(comm=[0, 1])`` on another) or a bad list met each other's collectives
+    mismatched, and one raised a bare TypeError while the others waited in ``init()`` for ever.
+    """
+    ranks, problem = None, None
+    if comm is not None:
+        if isinstance(comm, (str, bytes)) or not isinstance(comm, Iterable):
+            problem = TypeError(f"init(comm=...) takes an mpi4py communicator or a list of world ranks, "
+                                f"got {type(comm).__name__} {comm!r}.")
+        else:  # a list, tuple, range or numpy array of ranks
+            ranks, problem = _checked_rank_list(list(comm), world.Get_size())
+    error = problem or bad_env
+    mine = None if error is None else (type(error).__name__, str(error),
+                                       "init(comm=...)" if problem is not None else "environment")
+    every = world.allgather((comm is None, ranks, mine))
+    if error is not None:
+        raise error
+    first = next(((r, e) for r, (_, _, e) in enumerate(every) if e is not None), None)
+    if first is not None:
+        r, (kind, message, source) = first
+        raise (TypeError if kind == "TypeError" else ValueError)(f"rank {r}'s {source}: {message}")
+    whole = [r for r, (none, _, _) in enumerate(every) if none]
+    if len(whole) == len(every):
+        return None
+    if whole:
+        listing = next(r for r, (none, _, _) in enumerate(every) if not none)
+        raise ValueError(f"init(comm=...): rank(s) {whole} passed no comm (the whole world) and rank {listing} "
+                         f"passed {every[listing][1]}; pass the same kind on every rank: a list of world ranks "
+                         f"on every rank, or none.")
+    return [theirs for _, theirs, _ in every]
 
 
 def _raise_together(comm, error: Optional[Exception], payload: Any = None, source: str = "environment") -> list:

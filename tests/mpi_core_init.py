@@ -164,6 +164,24 @@ for bad, kind, words in ((["0", "1"], TypeError, "holds ints"),
     else:
         raise AssertionError(f"init accepted {bad!r}")
     assert not hvddp.is_initialized()
+# ranks that pass different kinds of comm, or no kind at all, raise on every rank (one raised a bare
+# TypeError, or the others a message about their lists, while some rank waited in init() for ever)
+for make, kind, words in ((lambda: hvddp.init() if world == 0 else hvddp.init(comm=[0, 1, 2]), ValueError,
+                           "rank(s) [0] passed no comm (the whole world) and rank 1 passed [0, 1, 2]"),
+                          (lambda: hvddp.init(comm=5 if world == 1 else None), TypeError,
+                           "init(comm=...) takes an mpi4py communicator or a list of world ranks, got int 5"),
+                          (lambda: hvddp.init(process_sets=5), TypeError,
+                           'takes a list of ProcessSet objects (or "dynamic"), got int 5')):
+    try:
+        make()
+    except kind as exc:
+        assert words in str(exc), exc
+    else:
+        raise AssertionError(f"init accepted {words}")
+    assert not hvddp.is_initialized()
+hvddp.init(comm=np.arange(3))  # a numpy array of ranks is a list of them
+assert hvddp.size() == 3
+hvddp.shutdown()
 hvddp.init(comm=[np.int64(2), 1])  # numpy ints are ints; the list's order is the new ranks'
 assert hvddp.size() == (2 if world else 1) and hvddp.rank() == {0: 0, 1: 1, 2: 0}[world]
 hvddp.shutdown()
