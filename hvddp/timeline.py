@@ -71,8 +71,9 @@ class Timeline:
             # here, not in the file's buffer: a process forked from the rank drops them, where
             # its exit would have flushed a buffer's copy into the file a second time.)
             self._held = []
-            self._file = open(path, "w", buffering=1)
+            self._file = open(path, "w", buffering=1, encoding="utf-8")
             self._path = path
+            self._written = 0  # bytes of whole flushes in the file (where a failed write is cut back to)
             self._t0 = time.monotonic()
             self._pids = {}
             self._open_spans = {}
@@ -99,8 +100,11 @@ class Timeline:
         text, self._held = "".join(self._held), []
         try:
             self._file.write(text)  # (line-buffered: it reaches the file now)
+            self._file.flush()
         except OSError as exc:
             self._give_up(exc)
+        else:
+            self._written += len(text.encode("utf-8"))
 
     def forget_in_child(self) -> None:
         """In a process forked from rank 0: drop the file and what is held, unwritten."""
@@ -144,6 +148,10 @@ class Timeline:
         try:
             file.close()
         except OSError:
+            pass
+        try:  # back to the last whole flush: the file ends with whole events, so it loads once
+            os.truncate(self._path, self._written)  # closed with "]" (see the README)
+        except (OSError, AttributeError):
             pass
 
     def _pid(self, key: tuple) -> int:

@@ -306,14 +306,18 @@ def test_timeline_reaches_the_file_at_each_flush_and_a_write_error_only_stops_it
             if '"process_name"' in line]
     assert rows == ["hvddp engine", "allreduce.grad", "broadcast.grad", "join.__join__"], rows
 
-    class Full:
+    real, before = timeline._file, path.read_text()
+
+    class Full:  # the disk fills in the middle of a cycle's text: half of it reaches the file
         def write(self, text):
+            real.write(text[:len(text) // 2])
+            real.flush()
             raise OSError(28, "No space left on device")
 
         def close(self):
+            real.close()
             raise OSError(28, "No space left on device")
 
-    timeline._file.close()
     timeline._file = Full()
     with caplog.at_level("ERROR", logger="hvddp"):
         timeline.negotiate_rank_ready((0, "grad"), 0, "allreduce")  # fails: gives up, raises nothing
@@ -323,6 +327,9 @@ def test_timeline_reaches_the_file_at_each_flush_and_a_write_error_only_stops_it
     assert [r.getMessage() for r in caplog.records].count(
         f"writing the timeline {path} failed ([Errno 28] No space left on device); no more timeline "
         f"events are written") == 1, caplog.text
+    # cut back to the last whole cycle (it ended inside an event, and no recipe made it load)
+    assert path.read_text() == before
+    assert json.loads(before.rstrip().rstrip(",") + "]")
 
 
 def test_process_sets_removed_in_flight_unnamed_calls_and_init_lists(tmp_path):
