@@ -476,6 +476,23 @@ def test_sparse_gradients_of_embeddings_of_other_sizes_raise_on_every_rank():
     assert hvd.allgather_object("after") == ["after"] * N
 
 
+def test_a_gradient_sparse_on_one_rank_and_dense_on_another_raises_on_every_rank():
+    """The table also used directly on rank 1 alone (a dense gradient there): rank 1 raised while
+    rank 0 retried the sparse allgather, which rank 1 never joins, and waited for ever."""
+    if N == 1:
+        pytest.skip("needs two ranks")
+    emb = torch.nn.Embedding(6, 2, sparse=True)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1),
+                                   named_parameters=[("emb.mixed", emb.weight)])
+    loss = emb(torch.tensor([1, 2])).sum()
+    if R == 1:
+        loss = loss + emb.weight.sum()
+    loss.backward()
+    with pytest.raises(hvd.MismatchError, match=r"'grad\d*.emb.mixed' was submitted as different collectives"):
+        opt.step()
+    assert hvd.allgather_object("after.mixed") == ["after.mixed"] * N
+
+
 # behaviour -------------------------------------------------------------------------------------
 def test_optimizers_and_sync_batch_norms_on_a_subset_leave_global_names_alone():
     """Built only on a set's members (a natural process-set pattern), they must not shift the

@@ -409,15 +409,18 @@ class _DistributedOptimizer(WrapperCommon):
                                    self._hvddp_process_set)
         return _Flight(handle, [(p, grad, None, True)])
 
-    def _hvddp_sparse_retry(self, flight: _Flight, error: MismatchError) -> Optional[_Flight]:
+    def _hvddp_sparse_retry(self, flight: _Flight, error: MismatchError, dense: set) -> Optional[_Flight]:
         """The sparse resubmission of a parameter that some ranks sent dense zeros for (no
         gradient there this step) and others a sparse gradient: every rank got the same
-        MismatchError for its name, and now every rank knows the parameter is sparse."""
+        MismatchError for its name, and now every rank knows the parameter is sparse. None (the
+        error stands, on every rank) where some rank had a dense gradient of its own (``dense``)."""
         if KIND_MISMATCH not in str(error) or flight.grouped or not flight.items or len(flight.items) != 1:
             return None
         if "(in a group)" in str(error):  # grouped on some rank: the ranks group differently, and
             return None                   # that rank does not retry (a retry here would wait for ever)
         p, sent, _, sparse = flight.items[0]
+        if p in dense:  # (that rank does not retry either)
+            return None
         if not sparse and p not in self._hvddp_filled:  # (a flight of its own: dense zeros here)
             return None
         self._hvddp_sparse_params.add(p)
@@ -492,9 +495,12 @@ class _DistributedOptimizer(WrapperCommon):
         # different settings no rank retries, and every rank raises.
         params, filled = self._hvddp_params, self._hvddp_filled
         n = len(params)
-        had = np.empty(n + 2, dtype=np.uint8)
+        # then a byte each: 1 where this rank had a dense gradient of its own (a sparse rank must
+        # not retry the allgather that such a rank never joins: it waited for ever)
+        had = np.empty(2 * n + 2, dtype=np.uint8)
         had[:n] = np.fromiter((0 if p in filled else _had_code(p.grad) for p in params), dtype=np.uint8, count=n)
-        had[n], had[n + 1] = self._hvddp_settings, 255 - self._hvddp_settings
+        had[n:2 * n] = had[:n] == 1
+        had[2 * n], had[2 * n + 1] = self._hvddp_settings, 255 - self._hvddp_settings
         had_handle = hvddp.allreduce_async_(had, None, self._hvddp_prefix[:-1] + ":had", hvddp.Max,
                                             process_set=self._hvddp_process_set)
         errors, retries, had_error = [], [], None
@@ -503,14 +509,15 @@ class _DistributedOptimizer(WrapperCommon):
         except Exception as exc:  # raised after the flights' errors, which say more (a wrapper of
             had_error, had = exc, None  # another kind on some rank sends another length here)
         else:
-            if int(had[n]) + int(had[n + 1]) != 255:  # some rank's settings differ from another's
-                errors.append(MismatchError(_settings_differ(int(had[n]), 255 - int(had[n + 1]))))
+            if int(had[2 * n]) + int(had[2 * n + 1]) != 255:  # some rank's settings differ from another's
+                errors.append(MismatchError(_settings_differ(int(had[2 * n]), 255 - int(had[2 * n + 1]))))
+        dense = set() if had is None else {p for p, d in zip(params, had[n:2 * n].tolist()) if d}
         flights, self._hvddp_flights = self._hvddp_flights, []
         for flight in flights:
             try:
                 flight.finish(self._hvddp_compression)
             except MismatchError as exc:
-                retry = None if errors or had_error else self._hvddp_sparse_retry(flight, exc)
+                retry = None if errors or had_error else self._hvddp_sparse_retry(flight, exc, dense)
                 if retry is None:
                     errors.append(exc)
                 else:
