@@ -233,7 +233,10 @@ def _check_launcher(world_size: int, MPI) -> None:
     """Refuse to run N separate size-1 jobs when the launcher started N processes."""
     if world_size != 1:
         return
-    for var in _LAUNCHER_VARS:
+    # the MPI launcher that started this process speaks for it: an `mpiexec -n 1` inside a srun
+    # step (PMI_SIZE=1, SLURM_STEP_NUM_TASKS=2) is a size-1 run, not a mismatch
+    direct = [var for var in _LAUNCHER_VARS[:2] if os.environ.get(var, "").isdigit()]
+    for var in direct or _LAUNCHER_VARS[2:]:
         value = os.environ.get(var, "")
         if value.isdigit() and int(value) > 1:
             library = MPI.Get_library_version().splitlines()[0].strip()

@@ -382,6 +382,20 @@ def test_launcher_mismatch_fails_at_init_naming_both(variable):
     assert elapsed < 10, out
 
 
+@pytest.mark.parametrize("direct", ["PMI_SIZE", "OMPI_COMM_WORLD_SIZE"])
+def test_an_mpi_launchers_size_1_outranks_an_enclosing_srun_step(direct):
+    """`mpiexec -n 1 python train.py` inside a 2-task srun step sees the step's
+    SLURM_STEP_NUM_TASKS=2; the launcher that started the process says 1, and it is a size-1 run."""
+    env = dict(os.environ, SLURM_STEP_NUM_TASKS="2", **{direct: "1"})
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        if var != direct:
+            env.pop(var, None)
+    result = subprocess.run([sys.executable, "tests/fault_scripts/launcher_mismatch.py"], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=60)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0 and "NO ERROR: size 1" in out, out
+
+
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
 def test_an_open_mpi_singletons_segment_is_unlinked_at_shutdown(tmp_path, monkeypatch):
     """Open MPI 5 leaves a singleton's 16 MiB sm_segment in /dev/shm at every `python train.py`
