@@ -459,6 +459,20 @@ def test_metric_average_callback_refuses_metrics_some_ranks_lack():
     hvd.allreduce(np.ones(1), name="after.metric.mismatch")  # the engine goes on
 
 
+def test_metric_average_callback_with_no_logs_on_one_rank_raises_on_every_rank():
+    """A rank whose logs were empty (or None) returned at once, and the others waited forever for
+    its part of the comparison; now every rank compares and raises."""
+    if SIZE < 2:
+        pytest.skip("needs two ranks")
+    callback = hvd.callbacks.MetricAverageCallback()
+    with pytest.raises(hvd.MismatchError, match=r"rank 0: \[\('loss', \(\)\)\]; rank 1: \[\]"):
+        callback.on_epoch_end(0, {"loss": 1.0} if RANK == 0 else ({} if RANK == 1 else None))
+    callback.on_epoch_end(1, None)  # empty everywhere: nothing to average
+    logs = {}
+    callback.on_epoch_end(2, logs)
+    assert logs == {}
+
+
 def test_best_model_checkpoint_saves_improvements_on_rank_0():
     """Horovod's BestModelCheckpoint (monitor first; filepath a keyword here, since Horovod's
     None is refused by Keras 3): the model whose averaged monitored value was best, on rank 0."""

@@ -149,9 +149,10 @@ class MetricAverageCallback(keras.callbacks.Callback):
         self.process_set = _grouping.check_process_set(process_set, type(self).__name__)
 
     def on_epoch_end(self, epoch, logs=None):
-        if not logs or not self.process_set.included():  # outside the set: this rank's own values
+        if not self.process_set.included():  # outside the set: this rank's own values
             return
-        values = {k: _numeric(v) for k, v in logs.items()}
+        # empty logs compared too: a rank that returned early left the others waiting on it
+        values = {k: _numeric(v) for k, v in (logs or {}).items()}
         values = {k: v for k, v in values.items() if v is not None}
         # compared first: a name one rank lacked left the others waiting on its reduction
         mine = sorted((k, v.shape) for k, v in values.items())
