@@ -394,6 +394,48 @@ def test_tape_wrapped_inside_its_with_block(mode):
     np.testing.assert_allclose(grads().numpy(), np.array([2.0, 4.0]) * (SIZE + 1) / 2)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_tape_gradient_called_inside_its_with_block(mode):
+    """TensorFlow lets gradient() be called inside the with block (a non-persistent tape stops
+    recording; a persistent one records on); the wrapper made there raised TensorFlow's "cannot be
+    invoked within the GradientTape context", since the copy did not stop the original."""
+    wrap = (lambda f: f) if mode == "eager" else tf.function
+    v = tf.Variable([1.0, 2.0])
+
+    @wrap
+    def grads(persistent):
+        with tf.GradientTape(persistent=persistent) as tape:
+            loss = tf.reduce_sum(v * v) * float(RANK + 1)
+            tape = hvd.DistributedGradientTape(tape)
+            first = tape.gradient(loss, [v])[0]
+            after = tf.reduce_sum(v) * 3.0  # recorded only by the persistent tape
+        second = tape.gradient(after, v) if persistent else None
+        return first, second
+
+    first, _ = grads(False)
+    np.testing.assert_allclose(first.numpy(), np.array([2.0, 4.0]) * (SIZE + 1) / 2)
+    first, second = grads(True)
+    np.testing.assert_allclose(first.numpy(), np.array([2.0, 4.0]) * (SIZE + 1) / 2)
+    np.testing.assert_allclose(second.numpy(), [3.0, 3.0])
+
+
+def test_local_and_global_gradients_of_one_source():
+    """gradient() takes a single source as TensorFlow's does; the split did too, where it zipped
+    the gradient's elements with the variable's."""
+    v = tf.Variable([1.0, 2.0])
+    for register in (False, True):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(v) * (RANK + 1)
+        tape = hvd.DistributedGradientTape(tape)
+        if register:
+            tape.register_local_source(v)
+        local, shared = tape.get_local_and_global_gradients(loss, v)
+        pairs, other = (local, shared) if register else (shared, local)
+        assert other == [] and len(pairs) == 1 and pairs[0][0] is v, (local, shared)
+        expected = (RANK + 1) / SIZE if register else np.mean(np.arange(SIZE) + 1)
+        np.testing.assert_allclose(pairs[0][1].numpy(), [expected] * 2)
+
+
 def test_tape_in_a_function_with_unknown_static_shapes():
     """A watched input of unknown length inside tf.function: the reduction runs at run time on
     the concrete shapes (nothing needs the static shape when the function is traced)."""

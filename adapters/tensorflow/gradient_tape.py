@@ -60,6 +60,11 @@ class _DistributedGradientTapeMixin:
         """
         if isinstance(use_generic_names, (tf.UnconnectedGradients, str)):  # TensorFlow's 4th
             unconnected_gradients = use_generic_names
+        outer = self._hvddp["outer"]
+        if outer is not None and outer._recording and not outer._persistent:
+            # called inside the with block of the tape wrapped there: stop its recording, as
+            # TensorFlow's gradient() does for a non-persistent tape (its __exit__ then does nothing)
+            outer._pop_tape()
         grads = super().gradient(target, sources, output_gradients=output_gradients,
                                  unconnected_gradients=unconnected_gradients)
         flat_sources = tf.nest.flatten(sources)
@@ -103,7 +108,8 @@ class _DistributedGradientTapeMixin:
         """Horovod's: ``gradient()``, split into ``([(local source, gradient)], [(other source,
         gradient)])`` in the order of ``sources``; ``use_generic_names`` as in ``gradient()``."""
         grads = self.gradient(target, sources, output_gradients, use_generic_names)
-        pairs = list(zip(sources, grads))
+        # flattened: one variable given alone would zip its elements with its gradient's
+        pairs = list(zip(tf.nest.flatten(sources), tf.nest.flatten(grads, expand_composites=False)))
         local = self._hvddp["local"]
         return ([p for p in pairs if _is_local(p[0], local)], [p for p in pairs if not _is_local(p[0], local)])
 
@@ -190,7 +196,8 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
     # the copy must not think so too, or both would pop the one tape off TensorFlow's stack and
     # the process crashes. The original's __exit__ stops the recording both share.
     tape._recording = False
-    tape._hvddp = {"op": op, "gradient_predivide_factor": factor, "compression": compression,
+    tape._hvddp = {"outer": gradtape if gradtape._recording else None,  # still in its with block
+                   "op": op, "gradient_predivide_factor": factor, "compression": compression,
                    "process_set": process_set, "local": {},
                    "scale_local_gradients": bool(scale_local_gradients), "sparse_as_dense": bool(sparse_as_dense)}
     return tape
