@@ -187,11 +187,17 @@ def _check_adasum_size(size: int, process_set: ProcessSet, fn: str) -> None:
                          f"or use Average.")
 
 
+def _is_one(value: Any) -> bool:
+    """Whether a scale factor is the number 1 (types first: ``==`` on an array is an array)."""
+    return isinstance(value, (float, int)) and not isinstance(value, bool) and value == 1.0
+
+
 def _factor(value: Any, fn: str, arg: str) -> float:
-    if value == 1.0 and type(value) in (float, int):
+    if _is_one(value):
         return 1.0
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{fn}: {arg} must be a real number, got {type(value).__name__} {value!r}.")
+        raise TypeError(f"{fn}: {arg} must be a real number, got {type(value).__name__} {value!r}. Pass "
+                        f"one float (such as 1.0 / hvddp.size()).")
     try:
         value = float(value)
     except OverflowError:  # an int past float's range
@@ -360,8 +366,7 @@ def _member_names(fn: str, base: Optional[str], names: Optional[Sequence[str]], 
 def _allreduce(fn: str, tensors: Sequence[Any], average, name, op, prescale_factor, postscale_factor,
                process_set, inplace: bool, grouped: bool, names: Optional[Sequence[str]] = None) -> Handle:
     if not grouped and average is None and (op is None or type(op) is ReduceOp and op < Adasum) \
-            and prescale_factor == 1.0 and postscale_factor == 1.0 and type(prescale_factor) is not bool \
-            and type(postscale_factor) is not bool and type(process_set) is ProcessSet:
+            and _is_one(prescale_factor) and _is_one(postscale_factor) and type(process_set) is ProcessSet:
         handle = _allreduce_one(tensors[0], name, process_set, inplace, int(op or 0))
         if handle is not None:
             return handle

@@ -379,6 +379,10 @@ def test_a_call_refused_on_one_rank_fails_on_every_rank_and_keeps_names_in_step(
          if POWER_OF_TWO else hvddp.allreduce(np.ones(2, bool) if bad else np.ones(2), op=hvddp.Product)),
         ("alltoall", lambda: hvddp.alltoall(np.ones(N), splits=[2] * N if bad else [1] * N)),
         ("reducescatter", lambda: hvddp.reducescatter(np.ones(N), prescale_factor=float("nan") if bad else 1.0)),
+        # an array as a factor: its `== 1.0` raised numpy's "truth value ... ambiguous" before the
+        # refusal could be announced, and the others waited
+        ("allreduce", lambda: hvddp.allreduce(np.ones(2), prescale_factor=np.ones(2) if bad else 1.0)),
+        ("grouped_allreduce", lambda: hvddp.grouped_allreduce([np.ones(2)], postscale_factor=np.ones(2) if bad else 1.0)),
         ("broadcast", lambda: hvddp.broadcast(np.ones(2), N + 3 if bad else 0)),
         ("broadcast_object", lambda: hvddp.broadcast_object("x", root_rank=-1 if bad else 0)),
     ]
