@@ -79,9 +79,9 @@ def _check_name(name: Any, fn: str) -> Optional[str]:
         return None
     if not isinstance(name, str):
         raise TypeError(f"{fn}: name must be a str or None, got {type(name).__name__} {name!r}.")
-    if not name:
-        raise ValueError(f"{fn}: name must be a non-empty string (or None for an automatic name), got ''.")
-    return name
+    # '' is no name, as in Horovod (its names are '<op>.noname.<n>' when empty): refusing it on
+    # one rank left the peers, whose call was unnamed, waiting on it
+    return name or None
 
 
 class Refusal:

@@ -744,6 +744,19 @@ def test_allgather_while_a_rank_has_joined_raises_everywhere():
         hvddp.join()
 
 
+def test_an_empty_name_is_an_automatic_name_as_in_horovod():
+    """name='' on one rank and None on the others: the same unnamed call (it raised ValueError on
+    the rank passing '', and its peers waited)."""
+    out = hvddp.allreduce(np.full(2, float(R)), name="" if R == 0 else None, op=hvddp.Sum)
+    np.testing.assert_array_equal(out, np.full(2, N * (N - 1) / 2))
+    handles = [hvddp.grouped_allreduce_async([np.ones(1)], name="" if R == 1 else None),
+               hvddp.allgather_async(np.ones(1), name="" if R == 0 else None)]
+    names = [h.name for h in handles]
+    assert hvddp.allgather_object(names) == [names] * N and "noname" in names[0], names
+    for h in handles:
+        h.wait()
+
+
 def test_unnamed_calls_after_join_still_meet():
     """A joined rank takes part in its peers' unnamed allreduces and barriers, and sees their
     refused allgathers, without making those calls: its count of unnamed calls must move past
