@@ -3,6 +3,7 @@
 Inputs depend on the rank, so every rank checks the exact result of each collective.
 """
 
+import contextlib
 import warnings
 
 import numpy as np
@@ -506,6 +507,24 @@ def test_sync_batch_norm_input_of_the_wrong_width_on_one_rank_fails_every_rank()
     assert bn(torch.randn(5, 4)).shape == (5, 4)  # and the next call meets
     # the failed call counted nowhere (it counted on the peers: momentum=None's averages differed)
     assert hvd.allgather_object(int(bn.num_batches_tracked)) == [1] * N
+
+
+def test_sync_batch_norm_input_needing_a_gradient_on_some_ranks_only_fails_every_rank():
+    """Rank 0's input needs a gradient, the others' not (or they run under no_grad): rank 0's
+    backward waited for ever in the statistics' gradient allreduces the others never recorded."""
+    if N == 1:
+        pytest.skip("needs two ranks")
+    bn = hvd.SyncBatchNorm(3)
+    for no_grad in (False, True):
+        x = torch.randn(4, 3, 2, requires_grad=R == 0 or no_grad)
+        with torch.no_grad() if no_grad and R != 0 else contextlib.nullcontext():
+            with pytest.raises(ValueError, match=rf"needs a gradient on 1 of {N} ranks \(on this rank: "
+                                                 rf"{'yes' if R == 0 else 'no'}\)"):
+                bn(x)
+    assert int(bn.num_batches_tracked) == 0
+    y = bn(torch.randn(4, 3, 2, requires_grad=True))  # alike everywhere: forward and backward meet
+    y.sum().backward()
+    assert int(bn.num_batches_tracked) == 1
 
 
 @pytest.mark.parametrize("affine", [True, False])

@@ -28,7 +28,9 @@ class SyncBatchNorm(_BatchNorm):
     mode, or with a size-1 ``process_set``, it is plain batch norm on this rank's input, as torch's
     ``SyncBatchNorm`` (without running statistics: this rank's batch statistics), so a rank may
     evaluate alone. A step whose global batch is empty leaves the running statistics alone, and
-    one with a single value per channel raises ``ValueError`` on every rank, as ``BatchNorm`` does.
+    one with a single value per channel raises ``ValueError`` on every rank, as ``BatchNorm`` does;
+    so does a training step whose input needs a gradient on some ranks only (their backward would
+    wait for the others' in the statistics' allreduces).
 
     Args:
         num_features, eps, momentum, affine, track_running_stats: as ``torch.nn.BatchNorm2d``.
@@ -86,7 +88,10 @@ class SyncBatchNorm(_BatchNorm):
         channels = x.shape[1]
         dims = [0] + list(range(2, x.dim()))
         shape = [1, channels] + [1] * (x.dim() - 2)
-        count = torch.tensor([x.numel() // channels], dtype=x.dtype, device=x.device)
+        # with the count, whether this rank's backward will run the statistics' allreduces: an
+        # autograd node is recorded only where the input needs a gradient
+        needs = torch.is_grad_enabled() and x.requires_grad
+        count = torch.tensor([x.numel() // channels, float(needs)], dtype=x.dtype, device=x.device)
         # Named by the channel count, not by the layer: a rank that built one more layer (a copy
         # for evaluation, say) would otherwise shift every later layer's name and never meet its
         # peers. Each call blocks, so layers of the same width can share a name (Horovod's names
@@ -97,6 +102,13 @@ class SyncBatchNorm(_BatchNorm):
                            process_set=self.process_set)
         n = totals[channels].detach()
         total = float(n)  # the same on every rank: all take the same branch
+        needing, members = int(totals[channels + 1]), self.process_set.size()
+        if 0 < needing < members:  # the ranks that need it would wait in backward for the others
+            raise ValueError(
+                f"SyncBatchNorm({self.num_features}): its input needs a gradient on {needing} of "
+                f"{members} ranks (on this rank: {'yes' if needs else 'no'}); backward's allreduces "
+                f"would wait for ever on those ranks. Run the layer alike on every rank: an input "
+                f"that requires grad (or not) everywhere, torch.no_grad() on all ranks or none.")
         if total == 0:  # nothing anywhere: an empty output, the running statistics left alone
             # (through weight and bias, so both get zero gradients, as BatchNorm's)
             return x * self.weight.view(shape) + self.bias.view(shape) if self.weight is not None else x.clone()
