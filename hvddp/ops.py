@@ -365,7 +365,7 @@ def _member_names(fn: str, base: Optional[str], names: Optional[Sequence[str]], 
 
 def _allreduce(fn: str, tensors: Sequence[Any], average, name, op, prescale_factor, postscale_factor,
                process_set, inplace: bool, grouped: bool, names: Optional[Sequence[str]] = None) -> Handle:
-    if not grouped and average is None and (op is None or type(op) is ReduceOp and op < Adasum) \
+    if not grouped and average is None and (op is None or type(op) is ReduceOp and op is not Adasum) \
             and _is_one(prescale_factor) and _is_one(postscale_factor) and type(process_set) is ProcessSet:
         handle = _allreduce_one(tensors[0], name, process_set, inplace, int(op or 0))
         if handle is not None:

@@ -744,6 +744,17 @@ def test_allgather_while_a_rank_has_joined_raises_everywhere():
         hvddp.join()
 
 
+def test_op_numbers_are_horovods():
+    """Horovod's ops are plain ints (Average 0, Sum 1, Adasum 2, Min 3, Max 4, Product 5); a port
+    passing op=3 meant Min and got Max (hvddp numbered Min 2, Max 3, Product 4, Adasum 5)."""
+    ops = [hvddp.Average, hvddp.Sum, hvddp.Adasum, hvddp.Min, hvddp.Max, hvddp.Product]
+    assert [int(op) for op in ops] == list(range(6))
+    x = np.array([float(R), -float(R)])
+    np.testing.assert_array_equal(hvddp.allreduce(x, op=3), [0.0, -(N - 1.0)])
+    np.testing.assert_array_equal(hvddp.allreduce(x, op=4), [N - 1.0, 0.0])
+    np.testing.assert_array_equal(hvddp.allreduce(x + 1, op=5), [np.prod(np.arange(N) + 1.0), np.prod(1.0 - np.arange(N))])
+
+
 def test_an_empty_name_is_an_automatic_name_as_in_horovod():
     """name='' on one rank and None on the others: the same unnamed call (it raised ValueError on
     the rank passing '', and its peers waited)."""

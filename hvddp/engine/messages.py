@@ -19,14 +19,15 @@ class Kind(str, enum.Enum):
 
 
 class ReduceOp(enum.IntEnum):
-    """Reduction operators; ``hvddp.Average`` and friends are members of this enum."""
+    """Reduction operators; ``hvddp.Average`` and friends are members of this enum. Their values
+    are Horovod's, so a script (or a saved config) passing ``op=`` as a number means the same op."""
 
     AVERAGE = 0
     SUM = 1
-    MIN = 2
-    MAX = 3
-    PRODUCT = 4
-    ADASUM = 5
+    ADASUM = 2
+    MIN = 3
+    MAX = 4
+    PRODUCT = 5
 
     def __repr__(self) -> str:
         return self.name.capitalize()
