@@ -19,7 +19,7 @@ import copy
 import functools
 from typing import Any, Callable, List
 
-from .ops import broadcast_object
+from .ops import allgather_object, broadcast_object
 from .runtime import rank
 
 __all__ = ["run", "State", "ObjectState", "VariablesState", "HostsUpdatedInterrupt"]
@@ -111,7 +111,9 @@ class ObjectState(State):
     ``GradScaler``) is kept in place instead: a commit records the object and a copy of its
     ``state_dict()``; a restore puts that object back and loads the copy into it, so whatever
     refers to it (a scheduler to its optimizer) keeps working; a sync loads rank 0's current
-    ``state_dict()`` into it, as models and optimizers sync their current values.
+    ``state_dict()`` into it, as models and optimizers sync their current values (a rank that
+    holds no such object there gets a copy of rank 0's; rank 0, if it replaced its object since
+    the commit, gets the committed one back, as a restore).
     """
 
     def __init__(self, bcast_object: Callable = broadcast_object, get_rank: Callable = rank,
@@ -135,18 +137,41 @@ class ObjectState(State):
     def sync(self) -> None:
         if not self._saved_state:
             return
+        names = list(self._saved_state)
+        # which ranks hold an object kept in place under each name: a rank without one (None
+        # until rank 0 evaluates, say) where rank 0 has one is sent a copy of rank 0's object
+        held = allgather_object([_stateful(getattr(self, name)) for name in names])
+        root = self._rank() == 0
         outgoing = {}
-        for name, saved in self._saved_state.items():
-            current = getattr(self, name)
-            outgoing[name] = _Recorded(None, current.state_dict()) if _stateful(current) else saved
+        for i, name in enumerate(names if root else ()):
+            saved, current = self._saved_state[name], getattr(self, name)
+            source = current if _stateful(current) else saved.obj if isinstance(saved, _Recorded) else None
+            if source is None:  # a plain commit: every rank takes a copy
+                outgoing[name] = saved
+            else:  # rank 0's current state, or its commit's when its value is no longer the object
+                state = current.state_dict() if source is current else saved.state
+                outgoing[name] = _Synced(state, None if all(row[i] for row in held) else source)
         for name, value in self._bcast_object(outgoing).items():
-            if isinstance(value, _Recorded):
+            if isinstance(value, _Synced):
                 current = getattr(self, name)
-                current.load_state_dict(value.state)
-                self._saved_state[name] = _record(current)
+                if _stateful(current):
+                    target = current
+                else:  # rank 0: its committed object back; the others: the copy sent
+                    target = self._saved_state[name].obj if root else value.whole
+                target.load_state_dict(value.state)
+                setattr(self, name, target)
+                self._saved_state[name] = _record(target)
             else:
                 self._saved_state[name] = value
                 setattr(self, name, _copy(value))
+
+
+class _Synced:
+    """What ``sync`` sends for an object kept in place: rank 0's ``state_dict()``, and the object
+    itself when some rank has none under that name."""
+
+    def __init__(self, state: Any, whole: Any) -> None:
+        self.state, self.whole = state, whole
 
 
 class _Recorded:

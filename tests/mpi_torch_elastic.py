@@ -147,6 +147,46 @@ def test_kept_objects_sync_rank_zeros_current_state_and_restore_the_committed_ob
     assert state.scheduler is scheduler and scheduler.last_epoch == 3
 
 
+def test_sync_where_ranks_hold_different_kinds_of_value_gives_every_rank_rank_zeros():
+    """An object with state_dict() on rank 0 only (the best model it alone evaluated), and a
+    committed scheduler that rank 0 alone replaced by None: sync raised AttributeError on some
+    ranks only ('NoneType' has no load_state_dict) and the others went on."""
+    if SIZE < 2:
+        pytest.skip("needs two ranks")
+    torch.manual_seed(RANK)
+    model, optimizer = _model_and_optimizer(seed=0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    state = hvd.elastic.ObjectState(best=None, scheduler=scheduler, epoch=0)
+    if RANK == 0:
+        state.best = torch.nn.Linear(2, 2)
+        scheduler.step()
+    state.commit()
+    if RANK == 0:
+        state.scheduler = None  # not committed: the sync gives rank 0 its committed object back
+    state.sync()
+    assert state.scheduler is scheduler and scheduler.last_epoch == 1
+    assert isinstance(state.best, torch.nn.Linear)
+    weights = _gathered(state.best.weight.detach().tolist())
+    assert all(w == weights[0] for w in weights), weights
+    state.best.weight.data.fill_(7.0)  # a kept object from now on: a restore loads its commit
+    state.restore()
+    assert state.best.weight.detach().tolist() == weights[0]
+
+
+def test_samplers_built_differently_on_some_rank_fail_the_sync_on_every_rank():
+    """A per-rank seed (a DistributedSampler habit) dropped and repeated samples silently."""
+    if SIZE < 2:
+        pytest.skip("needs two ranks")
+    for kwargs in ({"seed": RANK}, {"shuffle": RANK == 0}, {"dataset": list(range(10 + RANK))}):
+        sampler = hvd.elastic.ElasticSampler(**{"dataset": list(range(10)), **kwargs})
+        with pytest.raises(hvd.MismatchError, match=r"ElasticSampler: the ranks' samplers differ .*rank 1: "):
+            hvd.elastic.TorchState(sampler=sampler).sync()
+    sampler = hvd.elastic.ElasticSampler(list(range(10)), seed=5)
+    sampler.processed_num = 2 * SIZE if RANK == 0 else 0
+    hvd.elastic.TorchState(sampler=sampler).sync()
+    assert sampler.processed_num == 2 * SIZE and len(sampler) == -(-(10 - 2 * SIZE) // SIZE)
+
+
 class _Locked:
     """state_dict() holds something deepcopy refuses: the rest is still copied item by item."""
 

@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional, Tuple, Type
 
 import torch
 
+import hvddp
 from hvddp import rank
 from hvddp.elastic import ObjectState
 
@@ -72,10 +73,20 @@ class OptimizerStateHandler(_StateDictHandler):
 
 
 class SamplerStateHandler(_StateDictHandler):
-    """An ``ElasticSampler``: synced to rank 0's ``state_dict()``."""
+    """An ``ElasticSampler``: synced to rank 0's ``state_dict()``; its seed, ``shuffle`` and
+    dataset length must agree across ranks (each rank computes the epoch's order itself: with
+    per-rank seeds the shares overlapped, dropping and repeating samples silently)."""
 
     def sync(self) -> None:
-        self.value.load_state_dict(broadcast_object(self.value.state_dict(), root_rank=0))
+        sampler = self.value
+        rows = hvddp.allgather_object(((sampler.seed, sampler.shuffle, len(sampler.dataset)), sampler.state_dict()))
+        if any(row[0] != rows[0][0] for row in rows):
+            raise hvddp.MismatchError(
+                "ElasticSampler: the ranks' samplers differ in (seed, shuffle, len(dataset)): "
+                + "; ".join(f"rank {r}: {row[0]}" for r, row in enumerate(rows))
+                + ". Every rank must build it with the same dataset, shuffle and seed (a per-rank "
+                  "seed makes the ranks' shares overlap); it gives each rank its share itself.")
+        sampler.load_state_dict(rows[0][1])
 
 
 _registry: List[Tuple[type, Type[StateHandler]]] = [
