@@ -36,8 +36,11 @@ def rows_here(rows: int, size: int, rank: int) -> int:
 
 
 def check_same_lists(name: str, labels: Sequence[str], shapes: Sequence[tuple], dtypes: Sequence[str],
-                     process_set: Any) -> None:
+                     process_set: Any, broadcast: str = "") -> None:
     """Check that every rank passes as many tensors, of the same shapes and dtypes, in order.
+
+    ``broadcast``: the broadcasting function checking its variables (named in the message), or
+    '' for a gradient reduction.
 
     Collective: one small ``allgather_object`` named ``name``. Labels (variable paths) only
     name the tensors in the message: Keras numbers its layers per process (``dense_1`` on a rank
@@ -50,26 +53,30 @@ def check_same_lists(name: str, labels: Sequence[str], shapes: Sequence[tuple], 
             for label, shape, dtype in zip(labels, shapes, dtypes)]
     every = hvddp.allgather_object(mine, name=name, process_set=process_set)
     for rank, theirs in enumerate(every):
-        message = _describe(every[0], theirs, rank)
+        message = _describe(every[0], theirs, rank, broadcast)
         if message:
             raise hvddp.MismatchError(message)
 
 
-def _describe(first: list, other: list, rank: int) -> str:
+def _describe(first: list, other: list, rank: int, broadcast: str = "") -> str:
     """What differs between rank 0's list and ``rank``'s (shapes and dtypes), or ''."""
     if len(first) != len(other):
         names0, names1 = [entry[0] for entry in first], [entry[0] for entry in other]
         only = [f"only rank {r} has {', '.join(repr(n) for n in extra)}"
                 for r, extra in ((0, [n for n in names0 if n not in names1]),
                                  (rank, [n for n in names1 if n not in names0])) if extra]
-        return (f"ranks reduce different numbers of tensors: rank 0 has {len(first)}, rank {rank} "
-                f"has {len(other)}{' (' + '; '.join(only) + ')' if only else ''}. Every rank must build "
-                f"the same model and pass the same variables (and, in hvddp.keras with "
+        counts = (f"rank 0 has {len(first)}, rank {rank} has {len(other)}"
+                  f"{' (' + '; '.join(only) + ')' if only else ''}. Every rank must build the same model "
+                  f"and pass the same variables")
+        if broadcast:
+            return f"{broadcast}: ranks broadcast different numbers of variables: {counts}."
+        return (f"ranks reduce different numbers of tensors: {counts} (and, in hvddp.keras with "
                 f"backward_passes_per_step > 1, have the same None gradients).")
     for i, ((l0, s0, d0), (l1, s1, d1)) in enumerate(zip(first, other)):
         if (s0, d0) != (s1, d1):
-            return (f"tensor lists differ across ranks at position {i}: rank 0 has {l0!r} {s0} {d0}, "
-                    f"rank {rank} has {l1!r} {s1} {d1}. Every rank must build the same model.")
+            return (f"{broadcast + ': ' if broadcast else ''}tensor lists differ across ranks at position "
+                    f"{i}: rank 0 has {l0!r} {s0} {d0}, rank {rank} has {l1!r} {s1} {d1}. Every rank must "
+                    f"build the same model.")
     return ""
 
 

@@ -459,8 +459,16 @@ def test_broadcast_variables_of_models_that_differ_raises_on_every_rank():
     if SIZE == 1:
         pytest.skip("needs two ranks")
     variables = [tf.Variable(tf.zeros([2])), tf.Variable(tf.zeros([3 + (RANK == SIZE - 1)]))]
-    with pytest.raises(hvd.MismatchError, match="position 1"):
+    with pytest.raises(hvd.MismatchError, match="^broadcast_variables: tensor lists differ .* position 1"):
         hvd.broadcast_variables(variables, root_rank=0)
+    # one variable more on the last rank: named as a broadcast's, not a reduction's (the message
+    # spoke of reducing and of backward_passes_per_step)
+    extra = [tf.Variable(tf.zeros([1]), name="extra")] if RANK == SIZE - 1 else []
+    with pytest.raises(hvd.MismatchError, match=rf"^broadcast_variables: ranks broadcast different numbers of "
+                                                rf"variables: rank 0 has 1, rank {SIZE - 1} has 2 \(only rank "
+                                                rf"{SIZE - 1} has 'extra:0'\)\. Every rank must build the same "
+                                                rf"model and pass the same variables\.$"):
+        hvd.broadcast_variables(variables[:1] + extra, root_rank=0)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -195,7 +195,8 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int = 0,
     values = [np.array(_backend.to_numpy(v)) for v in variables]
     _grouping.check_same_lists(f"{prefix}.check", [getattr(v, "path", f"variable {i}") for i, v in
                                                    enumerate(variables)],
-                               [a.shape for a in values], [a.dtype.name for a in values], process_set)
+                               [a.shape for a in values], [a.dtype.name for a in values], process_set,
+                               broadcast="broadcast_variables")
     handles = [hvddp.broadcast_async(_grouping.wire(value), root_rank, name=f"{prefix}.{i}", process_set=process_set)
                for i, value in enumerate(values)]
     for v, value, handle in zip(variables, values, handles):

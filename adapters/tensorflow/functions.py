@@ -138,7 +138,7 @@ def _dtype_name(variable: Any) -> str:
 def _broadcast_values(values: List[np.ndarray], labels: List[str], root_rank: int,
                       process_set: ProcessSet) -> List[np.ndarray]:
     _grouping.check_same_lists(_CHECK, labels, [a.shape for a in values],
-                               [a.dtype.name for a in values], process_set)
+                               [a.dtype.name for a in values], process_set, broadcast="broadcast_variables")
     handles = [hvddp.broadcast_async(_grouping.wire(value), root_rank, name=f"tf.bcast.{i}",
                                      process_set=process_set) for i, value in enumerate(values)]
     return [np.asarray(h.wait()).view(value.dtype) for value, h in zip(values, handles)]
