@@ -52,7 +52,7 @@ def build_model(name: str):
     try:
         from torchvision import models
     except ImportError:
-        raise SystemExit(f"--model {name}: not built in (mlp, convnet) and torchvision is not installed "
+        raise SystemExit(f"model {name!r}: not built in (mlp, convnet) and torchvision is not installed "
                          f"(pip install torchvision).")
     return getattr(models, name)(), (3, 224, 224), 1000
 
