@@ -19,7 +19,7 @@ import copy
 import functools
 from typing import Any, Callable, List
 
-from .ops import allgather_object, broadcast_object
+from .ops import _dumps, allgather_object, broadcast_object
 from .runtime import rank
 
 __all__ = ["run", "State", "ObjectState", "VariablesState", "HostsUpdatedInterrupt"]
@@ -113,7 +113,8 @@ class ObjectState(State):
     refers to it (a scheduler to its optimizer) keeps working; a sync loads rank 0's current
     ``state_dict()`` into it, as models and optimizers sync their current values (a rank that
     holds no such object there gets a copy of rank 0's; rank 0, if it replaced its object since
-    the commit, gets the committed one back, as a restore).
+    the commit, gets the committed one back, as a restore). A value rank 0 cannot pickle (a lock)
+    fails the sync with a ``TypeError`` naming its attribute, on every rank.
     """
 
     def __init__(self, bcast_object: Callable = broadcast_object, get_rank: Callable = rank,
@@ -151,7 +152,15 @@ class ObjectState(State):
             else:  # rank 0's current state, or its commit's when its value is no longer the object
                 state = current.state_dict() if source is current else saved.state
                 outgoing[name] = _Synced(state, None if all(row[i] for row in held) else source)
-        for name, value in self._bcast_object(outgoing).items():
+        if root:
+            outgoing = _sendable(outgoing)
+        received = self._bcast_object(outgoing)
+        if isinstance(received, _Unsendable):  # on every rank, none left waiting
+            raise TypeError(f"ObjectState.sync: rank 0's {received.what} cannot be pickled "
+                            f"({received.why}); keep such values (locks, open files, sockets) out of "
+                            f"the state, or give them state_dict()/load_state_dict() that return "
+                            f"picklable values.")
+        for name, value in received.items():
             if isinstance(value, _Synced):
                 current = getattr(self, name)
                 if _stateful(current):
@@ -164,6 +173,34 @@ class ObjectState(State):
             else:
                 self._saved_state[name] = value
                 setattr(self, name, _copy(value))
+
+
+class _Unsendable:
+    """What ``sync`` sends in place of rank 0's values when some cannot be pickled: which, and why."""
+
+    def __init__(self, what: str, why: str) -> None:
+        self.what, self.why = what, why
+
+
+def _sendable(outgoing: dict) -> Any:
+    """``outgoing``, or an ``_Unsendable`` naming the attributes that cannot be pickled (checked
+    on rank 0 before the broadcast, so that every rank learns their names)."""
+    try:
+        _dumps(outgoing)
+        return outgoing
+    except Exception as exc:
+        first = exc
+    bad = []
+    for name, value in outgoing.items():
+        try:
+            _dumps(value)
+        except Exception as exc:
+            bad.append((name, exc))
+    if not bad:  # (only the whole fails: say so)
+        return _Unsendable("state", f"{type(first).__name__}: {first}")
+    names = ", ".join(repr(name) for name, _ in bad)
+    return _Unsendable(f"attribute{'s' if len(bad) > 1 else ''} {names}",
+                       f"{type(bad[0][1]).__name__}: {bad[0][1]}")
 
 
 class _Synced:

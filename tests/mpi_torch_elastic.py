@@ -297,3 +297,12 @@ def test_horovods_module_paths_and_a_handler_added_to_the_registry():
         set_handler_registry([(int, 3)])
     with pytest.raises(NotImplementedError, match="Bare must define save"):
         type("Bare", (StateHandler,), {})(1).save()
+
+
+def test_sync_of_a_value_that_cannot_be_pickled_names_it_on_every_rank():
+    state = hvd.elastic.ObjectState(epoch=RANK, guard=threading.Lock(), best=[1.0])
+    with pytest.raises(TypeError, match=r"ObjectState.sync: rank 0's attribute 'guard' cannot be pickled"):
+        state.sync()
+    del state.guard, state._saved_state["guard"]  # without it the state syncs
+    state.sync()
+    assert state.epoch == 0 and state.best == [1.0]
