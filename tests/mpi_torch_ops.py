@@ -590,7 +590,7 @@ def test_sync_batch_norm_empty_and_single_value_batches_and_eval_alone():
     torch.testing.assert_close(sync.running_var, ref.running_var)
     assert torch.isfinite(sync.running_var).all()
     one = torch.randn(1 if R == 0 else 0, 2)
-    with pytest.raises(ValueError, match="expected more than 1 value per channel"):
+    with pytest.raises(ValueError, match="(?i)expected more than 1 value per channel"):
         sync(one)
     free = hvd.SyncBatchNorm(2, track_running_stats=False).eval()
     if R == 0:  # the others never run it
@@ -598,6 +598,19 @@ def test_sync_batch_norm_empty_and_single_value_batches_and_eval_alone():
         torch.testing.assert_close(free(x), torch.nn.BatchNorm1d(2, track_running_stats=False)(x))
     with pytest.raises(ValueError, match=r"SyncBatchNorm\(2\) got an input with 5 channels"):
         sync(torch.randn(3, 5))
+    # an integer input is refused on every rank (it was normalized in training, and a uint8 batch
+    # of over 255 rows failed on its rank alone while the others waited)
+    with pytest.raises(TypeError, match=r"SyncBatchNorm\(2\) got an input of dtype torch.uint8"):
+        sync(torch.full((300 if R == 0 else 8, 2), 10, dtype=torch.uint8))
+    raised = None
+    try:
+        sync(torch.ones(4, 2, dtype=torch.int64) if R == 0 else torch.randn(4, 2))
+    except Exception as exc:
+        raised = exc
+    if R == 0:
+        assert isinstance(raised, TypeError) and "dtype torch.int64" in str(raised), raised
+    elif N > 1:
+        assert raised is not None and "dtype torch.int64" in str(raised), raised
     hvd.barrier()
 
 

@@ -30,7 +30,8 @@ class SyncBatchNorm(_BatchNorm):
     evaluate alone. A step whose global batch is empty leaves the running statistics alone, and
     one with a single value per channel raises ``ValueError`` on every rank, as ``BatchNorm`` does;
     so does a training step whose input needs a gradient on some ranks only (their backward would
-    wait for the others' in the statistics' allreduces).
+    wait for the others' in the statistics' allreduces). An input that is not floating-point
+    raises ``TypeError`` on every rank.
 
     Args:
         num_features, eps, momentum, affine, track_running_stats: as ``torch.nn.BatchNorm2d``.
@@ -52,13 +53,17 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(f"SyncBatchNorm({self.num_features}) got an input with {input.shape[1]} "
                              f"channels (shape {tuple(input.shape)}); its dimension 1 must be "
                              f"num_features={self.num_features}.")
+        if not input.is_floating_point():  # (torch's BatchNorm raises NotImplementedError)
+            raise TypeError(f"SyncBatchNorm({self.num_features}) got an input of dtype {input.dtype} "
+                            f"(shape {tuple(input.shape)}); it normalizes floating-point inputs: cast "
+                            f"it first, e.g. input.float() (images as uint8: input.float() / 255).")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         ps = self.process_set
         syncs = self.training and ps.size() > 1 and ps.included()
         try:
             self._check_input_dim(input)
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:
             if syncs:  # the peers wait for this layer's first allreduce: fail it there too
                 announce_refusal(hvddp.allreduce, exc, name=f"sync_batch_norm.{self.num_features}.sum",
                                  op=Sum, process_set=ps)
