@@ -1314,3 +1314,80 @@ def test_sparse_gradient_penalty_and_a_rank_without_the_gradient(mode):
             loss = tf.reduce_sum(tf.gather(table if RANK == 0 else other, [1, 2]))
         with pytest.raises(hvd.MismatchError, match="sparse .tf.IndexedSlices. on some ranks and not on others"):
             hvd.DistributedGradientTape(tape).gradient(loss, [table, other])
+
+
+def test_scale_factors_are_checked_as_the_core_checks_them_and_announced():
+    """A scale factor is checked when the op is made, as the core checks it (a real, finite
+    number): a string, None or a bool raises TypeError naming it (float() accepted '2' and True,
+    and its ValueError named nothing); refused on rank 0 alone, the others raise naming rank 0
+    (reducescatter and the grouped ops checked after their announcing block: the others waited
+    for ever). An eager scalar tensor is taken; a symbolic one is named."""
+    calls = {
+        "allreduce": lambda f: hvd.allreduce(tf.ones([SIZE]), op=hvd.Sum, prescale_factor=f),
+        "grouped_allreduce": lambda f: hvd.grouped_allreduce([tf.ones([SIZE])], op=hvd.Sum, postscale_factor=f),
+        "reducescatter": lambda f: hvd.reducescatter(tf.ones([SIZE]), op=hvd.Sum, prescale_factor=f),
+        "grouped_reducescatter": lambda f: hvd.grouped_reducescatter([tf.ones([SIZE])], op=hvd.Sum,
+                                                                     postscale_factor=f),
+    }
+    for fn, call in calls.items():
+        for bad in ("2", None, True, float("nan")):
+            with pytest.raises((TypeError, ValueError), match=rf"^{fn}: (pre|post)scale_factor must be"):
+                call(bad)
+        if RANK == 0:
+            with pytest.raises(TypeError, match=rf"^{fn}: (pre|post)scale_factor must be a real number"):
+                call("0.5x")
+        else:
+            with pytest.raises(Exception, match=rf"refused on rank\(s\) \[0\] \(TypeError: {fn}: "):
+                call(0.5)
+        out = call(tf.constant(0.5))
+        out = out[0] if isinstance(out, list) else out
+        np.testing.assert_allclose(out.numpy(), 0.5 * SIZE * np.ones(out.shape))
+
+    factor = tf.Variable(0.5)
+
+    @tf.function
+    def traced():
+        return hvd.allreduce(tf.ones([1]), prescale_factor=factor, name="symbolic.factor")
+
+    with pytest.raises(TypeError, match=r"allreduce: prescale_factor must be a Python number"):
+        traced()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reducescatter_with_an_op_without_a_derivative_has_no_gradient(mode):
+    """As allreduce: Min, Max and Product have no gradient (None); it raised in backward."""
+    wrap = (lambda f: f) if mode == "eager" else tf.function
+    x = tf.ones([SIZE, 2]) * (RANK + 1)
+
+    @wrap
+    def grads(x):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            one = tf.reduce_sum(hvd.reducescatter(x, op=hvd.Min, name=f"rs.nograd.{mode}"))
+            group = tf.reduce_sum(hvd.grouped_reducescatter([x], op=hvd.Max, name=f"grs.nograd.{mode}")[0])
+        return tape.gradient(one, x), tape.gradient(group, x)
+
+    assert grads(x) == (None, None)
+
+
+def test_a_sparse_gradient_after_a_rank_joined_points_to_sparse_as_dense():
+    """A sparse gradient is gathered, which a joined rank refuses: the error says to pass
+    sparse_as_dense=True (it spoke of a gradient sparse on some ranks and dense on others), and
+    with it the step runs, the joined rank contributing zeros."""
+    if SIZE < 2:
+        pytest.skip("needs two ranks")
+    emb = tf.Variable(tf.ones([4, 2]))
+
+    def step(sparse_as_dense):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.gather(emb, [1, 2]))
+        return hvd.DistributedGradientTape(tape, sparse_as_dense=sparse_as_dense).gradient(loss, [emb])[0]
+
+    for sparse_as_dense in (False, True):
+        if RANK == 0:
+            if sparse_as_dense:
+                np.testing.assert_allclose(tf.convert_to_tensor(step(True)).numpy()[1], [1 / SIZE] * 2)
+            else:
+                with pytest.raises(hvd.MismatchError, match=r"called join\(\).*pass sparse_as_dense=True"):
+                    step(False)
+        assert int(hvd.join()) >= 0

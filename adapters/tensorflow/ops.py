@@ -20,7 +20,7 @@ import contextlib
 import itertools
 import numbers
 import weakref
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -32,7 +32,7 @@ import hvddp
 from hvddp import Compression, ProcessSet, global_process_set
 
 from hvddp import _grouping, _staged
-from hvddp.ops import SUPPORTED_DTYPES
+from hvddp.ops import SUPPORTED_DTYPES, _factor
 
 from .compression import numpy_side
 
@@ -82,6 +82,23 @@ def _announcing(core_fn: Any, name: str, process_set: ProcessSet, group: Any = N
     if tf.executing_eagerly():
         return _grouping.announcing(core_fn, name, process_set, group, **kwargs)
     return contextlib.nullcontext()
+
+
+def _scales(prescale_factor: Any, postscale_factor: Any, fn: str) -> Tuple[float, float]:
+    """The scale factors as floats, checked as the core checks them (a real, finite number),
+    before the op is made: a factor refused in the engine would fail this rank alone."""
+    return _scale(prescale_factor, fn, "prescale_factor"), _scale(postscale_factor, fn, "postscale_factor")
+
+
+def _scale(value: Any, fn: str, arg: str) -> float:
+    if isinstance(value, (tf.Tensor, tf.Variable)):
+        if not tf.executing_eagerly() or value.shape.rank != 0:
+            raise TypeError(f"{fn}: {arg} must be a Python number (it is fixed when the op is made), "
+                            f"got {'a symbolic' if not tf.executing_eagerly() else 'a non-scalar'} "
+                            f"{type(value).__name__} of shape {value.shape}. Pass a float (such as "
+                            f"1.0 / hvd.size()).")
+        value = value.numpy()
+    return _factor(value, fn, arg)
 
 
 def _check_xla(fn: str) -> None:
@@ -201,8 +218,7 @@ def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "
     with _announcing(hvddp.allreduce, name, process_set):
         op = _grouping.check_op(op, average, "allreduce", adasum=True)
         _grouping.check_compression(compression, "allreduce")
-        pre = float(prescale_factor)
-        post = float(postscale_factor)
+        pre, post = _scales(prescale_factor, postscale_factor, "allreduce")
         sparse = isinstance(tensor, tf.IndexedSlices) and op in (hvddp.Average, hvddp.Sum)
         if not sparse:
             tensor = _dense(tensor, "allreduce")
@@ -254,10 +270,10 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, de
         _grouping.check_compression(compression, "grouped_allreduce")
         tensors = [_dense(t, "grouped_allreduce") for t in tensors]
         _check_adasum(op, tensors, process_set, "grouped_allreduce")
+        pre, post = _scales(prescale_factor, postscale_factor, "grouped_allreduce")
     if not tensors:  # (an empty iterable)
         return []
     _check_xla("grouped_allreduce")
-    pre, post = float(prescale_factor), float(postscale_factor)
     labels = [f"{name}.{i}" for i in range(len(tensors))]
     if op not in (hvddp.Average, hvddp.Sum):
         return _grouped_raw(tensors, name, labels, op, pre, post, compression, process_set)
@@ -305,6 +321,11 @@ def reduce_gradients(grads: Sequence[Any], sources: Sequence[Any], labels: Seque
     except hvddp.MismatchError as exc:
         if sparse_as_dense or op not in (hvddp.Average, hvddp.Sum) or _SPARSE_HINT in str(exc):
             raise
+        if "called join()" in str(exc):  # the gather of a sparse gradient, after a rank joined
+            raise hvddp.MismatchError(
+                f"{exc} (sparse gradients (tf.IndexedSlices) are gathered, which cannot run once a "
+                f"rank has joined; pass sparse_as_dense=True to reduce them as dense tensors, to "
+                f"which joined ranks contribute zeros)") from None
         if "different numbers of tensors" in str(exc):
             # what a gradient sparse on some ranks only does first: the ranks' dense groups differ
             # in size (it is left out of the group where it is sparse)
@@ -600,8 +621,8 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
         tensor = _dense(tensor, "reducescatter")
         if tensor.shape.rank == 0:
             raise ValueError("reducescatter: tensor is 0-d; pass at least a 1-d tensor.")
+        pre, post = _scales(prescale_factor, postscale_factor, "reducescatter")
     _check_xla("reducescatter")
-    pre, post = float(prescale_factor), float(postscale_factor)
 
     def body(x):
         c, ctx = compression.compress(np.asarray(x))
@@ -610,8 +631,6 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
         return np.asarray(compression.decompress(out, ctx), dtype=x.dtype)
 
     def grad_body(dy):
-        if op not in (hvddp.Average, hvddp.Sum):
-            raise ValueError(f"reducescatter {name!r}: op={op!r} has no gradient; only Average and Sum do.")
         factor = pre * post * (_size(process_set) if op == hvddp.Sum else 1)  # Horovod's
         total = hvddp.allgather(dy, name=name + ".grad", process_set=process_set)
         return np.asarray(total * factor, dtype=dy.dtype)
@@ -627,6 +646,8 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
         out.set_shape(tf.TensorShape([rows]).concatenate(x.shape[1:]))
 
         def grad(dy):
+            if op not in (hvddp.Average, hvddp.Sum):  # no derivative: None, as allreduce's
+                return None
             g = _py(grad_body, [dy], [dy.dtype], "HvddpReducescatterGrad")
             g = g[0] if isinstance(g, (list, tuple)) else g
             g.set_shape(x.shape)
@@ -706,10 +727,10 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compre
         compression = numpy_side(_grouping.check_compression(compression, "grouped_reducescatter"))
         tensors = [_dense(t, "grouped_reducescatter") for t in tensors]
         _check_group_inputs(tensors, "grouped_reducescatter")
+        pre, post = _scales(prescale_factor, postscale_factor, "grouped_reducescatter")
     if not tensors:  # (an empty iterable)
         return []
     _check_xla("grouped_reducescatter")
-    pre, post = float(prescale_factor), float(postscale_factor)
 
     def body(*xs):
         packed = [compression.compress(np.asarray(x)) for x in xs]
@@ -718,9 +739,6 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compre
         return [np.asarray(compression.decompress(o, ctx), dtype=x.dtype) for o, (_, ctx), x in zip(outs, packed, xs)]
 
     def grad_body(*dys):
-        if op not in (hvddp.Average, hvddp.Sum):
-            raise ValueError(f"grouped_reducescatter {name!r}: op={op!r} has no gradient; only Average and "
-                             f"Sum do.")
         factor = pre * post * (_size(process_set) if op == hvddp.Sum else 1)  # Horovod's
         totals = hvddp.grouped_allgather(list(dys), name=name + ".grad", process_set=process_set)
         return [np.asarray(t * factor, dtype=dy.dtype) for t, dy in zip(totals, dys)]
@@ -736,6 +754,8 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compre
             o.set_shape(tf.TensorShape([rows]).concatenate(x.shape[1:]))
 
         def grad(*dys):
+            if op not in (hvddp.Average, hvddp.Sum):  # no derivative: None, as allreduce's
+                return [None] * len(dys)
             gs = _outputs(_py(grad_body, list(dys), [dy.dtype for dy in dys], "HvddpGroupedReducescatterGrad"))
             for g, x in zip(gs, xs):
                 g.set_shape(x.shape)
