@@ -245,6 +245,22 @@ def test_sparse_allreduce_of_other_shapes_raises_on_every_rank():
     assert hvd.allgather_object("after") == ["after"] * N
 
 
+def test_sparse_allreduce_with_other_ops_raises_on_every_rank():
+    """Rank 0 Sum, the others Average: each rank applied its own op to what it gathered and the
+    results differed by rank, silently (a dense allreduce raises). Also with a hybrid tensor and
+    an integer one."""
+    if N == 1:
+        pytest.skip("needs two ranks")
+    op = hvd.Sum if R == 0 else hvd.Average
+    for name, t in (("sparse.ops", torch.eye(3).to_sparse()),
+                    ("sparse.ops.hybrid", torch.ones(4, 2).to_sparse(1)),
+                    ("sparse.ops.int", torch.eye(3, dtype=torch.int32).to_sparse())):
+        with pytest.raises(hvd.MismatchError, match=f"sparse_allreduce_async {name!r}: op differs across "
+                           r"ranks: rank 0 Sum, rank 1 Average"):
+            hvd.synchronize(hvd.sparse_allreduce_async(t, name=name, op=op))
+    assert hvd.allgather_object("after") == ["after"] * N
+
+
 def test_objects_barrier_join():
     assert hvd.broadcast_object({"r": R, "t": torch.arange(3) + R}, root_rank=N - 1)["r"] == N - 1
     gathered = hvd.allgather_object(("rank", R))
@@ -278,6 +294,10 @@ def test_process_set():
             opt.param_groups[0]["lr"] = 0.5 * (R + 1)
             hvd.broadcast_optimizer_state(opt, 2, ps)  # hvddp's earlier positional order still works
             assert opt.param_groups[0]["lr"] == 0.5 * 3
+        else:  # named or not, the call says it is sparse_allreduce_async's (named, it said allgather)
+            for name in ("sparse.outside", None):
+                with pytest.raises(ValueError, match=r"^sparse_allreduce_async: this rank \(1\) is not a member"):
+                    hvd.sparse_allreduce_async(torch.eye(2).to_sparse(), name, hvd.Sum, ps)
     finally:
         hvd.remove_process_set(ps)
 

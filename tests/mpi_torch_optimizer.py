@@ -758,18 +758,21 @@ def test_too_many_backward_passes_is_an_error():
     assert_replicas_identical(model, "passes.recovered")
 
 
-@pytest.mark.parametrize("differs", ["compression", "compression grouped", "sparse_as_dense"])
+@pytest.mark.parametrize("differs", ["compression", "compression grouped", "sparse_as_dense", "op sparse"])
 def test_ranks_wrapped_with_different_settings_fail_every_rank(differs):
     """A float32 gradient goes out as float32 under every compression, so rank 0 under
     Compression.none and rank 1 under fp16 reduced alike and only rank 1 rounded: the replicas
     parted silently. A rank with sparse_as_dense sent dense what rank 0 allgathered, and rank 0
-    waited for ever. Now every rank raises, and nothing is updated."""
+    waited for ever. A sparse gradient's op is applied after its allgather: rank 0 with Sum and
+    rank 1 with Average updated by different amounts, silently. Now every rank raises, and nothing
+    is updated."""
     if N == 1:
         return
     torch.manual_seed(0)
-    if differs == "sparse_as_dense":
+    if differs in ("sparse_as_dense", "op sparse"):
         model = torch.nn.Embedding(10, 3, sparse=True)
-        kwargs = {"sparse_as_dense": R == 1}
+        kwargs = {"sparse_as_dense": R == 1} if differs == "sparse_as_dense" else \
+            {"op": hvd.Sum if R == 0 else hvd.Average}
     else:
         model = Net()
         kwargs = {"compression": hvd.Compression.none if R == 0 else
@@ -782,7 +785,7 @@ def test_ranks_wrapped_with_different_settings_fail_every_rank(differs):
     before = flat(model).clone()
     for step in range(2):  # and again: the wrapper is not left half-way
         opt.zero_grad()
-        if differs == "sparse_as_dense":
+        if differs in ("sparse_as_dense", "op sparse"):
             model(torch.tensor([1, 2 + R])).sum().backward()
         else:
             x, y = batch(step)

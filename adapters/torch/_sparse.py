@@ -10,7 +10,9 @@ knows the parameter is sparse and resubmits as ``sparse_rows_async(None, ...)`` 
 Each rank also sends one row whose indices are its tensor's sparse shape (``with_shape_row``):
 entries are below the shape, so every rank finds the ranks' shape rows among what it gathered
 and, when some rank's shape differs, raises on every rank (an index past the shape would
-otherwise land in a sparse tensor built without checks).
+otherwise land in a sparse tensor built without checks). The shape row's first value holds the
+rank's op (0 Average, 1 Sum), applied by each rank to what it gathered: ranks that passed
+different ops raise on every rank, as a dense allreduce's do, instead of parting silently.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def sparse_rows_async(grad: Optional[torch.Tensor], param: torch.Tensor, name: s
         sparse_dim = grad.sparse_dim()
         indices = _fresh(grad.indices().t())
         values = _fresh(grad.values())
-    indices, values = with_shape_row(indices, values, param.shape)
+    indices, values = with_shape_row(indices, values, param.shape, op)
     nnz = indices.shape[0]
     dense = tuple(values.shape[1:])
     value_bytes = math.prod(dense) * values.element_size()
@@ -52,38 +54,49 @@ def sparse_rows_async(grad: Optional[torch.Tensor], param: torch.Tensor, name: s
                       values.reshape(nnz, math.prod(dense)).view(torch.uint8).reshape(nnz, value_bytes)],
                      dim=1)
     core = hvddp.allgather_async(as_numpy(rows), name, process_set)
-    size = process_set.size()
+    ranks = _ranks(process_set)
 
     def finish(results):
         gathered = as_tensor(results[0], rows)
         total = gathered.shape[0]
         all_indices = _fresh(gathered[:, :sparse_dim * 8]).view(torch.int64)
         all_values = _fresh(gathered[:, sparse_dim * 8:]).view(values.dtype).reshape((total,) + dense)
-        all_indices, all_values = without_shape_rows(all_indices, all_values, param.shape, size,
+        all_indices, all_values = without_shape_rows(all_indices, all_values, param.shape, op, ranks,
                                                      f"the sparse gradient {name!r}")
         if op == Average:
-            all_values = all_values / size
+            all_values = all_values / len(ranks)
         out = torch.sparse_coo_tensor(all_indices.t(), all_values, param.shape, check_invariants=False)
         return out.to(param.device)  # staged through host memory; the gradient lives with the parameter
 
     return Handle(name, [core], finish)
 
 
-def with_shape_row(indices: torch.Tensor, values: torch.Tensor, shape: torch.Size):
+def _ranks(process_set: ProcessSet) -> list:
+    """The set's world ranks, in the order an allgather over it concatenates."""
+    return list(range(process_set.size())) if process_set.ranks is None else list(process_set.ranks)
+
+
+def with_shape_row(indices: torch.Tensor, values: torch.Tensor, shape: torch.Size, op: ReduceOp):
     """``indices`` (nnz, sparse_dim) and ``values`` with a first row holding the sparse shape
-    (values zero); as they are without sparse dimensions (no index to check)."""
+    (values zero but the first: ``op``'s code, 1 for Sum); as they are without sparse dimensions
+    (no index to check)."""
     sparse_dim = indices.shape[1]
     if sparse_dim == 0:
         return indices, values
     row = torch.tensor([list(shape[:sparse_dim])], dtype=torch.int64, device=indices.device)
     zeros = torch.zeros((1,) + tuple(values.shape[1:]), dtype=values.dtype, device=values.device)
+    if zeros.numel():
+        zeros.view(-1)[0] = int(op == ReduceOp.SUM)
     return torch.cat([row, indices]), torch.cat([zeros, values])
 
 
-def without_shape_rows(indices: torch.Tensor, values: torch.Tensor, shape: torch.Size, size: int, what: str):
-    """Every rank's entries gathered with ``with_shape_row``, the shape rows taken out; a
-    ``MismatchError`` (on every rank: each finds fewer than ``size`` rows of its own shape, or an
-    entry past it) when the ranks' shapes differ."""
+def without_shape_rows(indices: torch.Tensor, values: torch.Tensor, shape: torch.Size, op: ReduceOp,
+                       ranks: list, what: str):
+    """Every rank's entries gathered with ``with_shape_row`` over the set of ``ranks``, the shape
+    rows taken out; a ``MismatchError`` (on every rank: each finds fewer rows of its own shape
+    than ranks, or an entry past it; or shape rows whose op codes differ) when the ranks' shapes
+    or ops differ."""
+    size = len(ranks)
     if indices.shape[1] == 0:
         return indices, values
     bound = torch.tensor(list(shape[:indices.shape[1]]), dtype=torch.int64, device=indices.device)
@@ -95,6 +108,11 @@ def without_shape_rows(indices: torch.Tensor, values: torch.Tensor, shape: torch
                             f"{tuple(shape)}, and not every rank's is); every rank must reduce a tensor of the "
                             f"same shape (for a model's gradients: the same model on every rank, as "
                             f"broadcast_parameters checks).")
+    codes = values[is_shape].reshape(size, -1)[:, :1].flatten().tolist()
+    if any(c != codes[0] for c in codes):
+        names = {0: "Average", 1: "Sum"}
+        ops = ", ".join(f"rank {r} {names.get(int(c), c)}" for r, c in zip(ranks, codes))
+        raise MismatchError(f"{what}: op differs across ranks: {ops}; pass the same op on every rank.")
     keep = ~is_shape
     return indices[keep], values[keep]
 

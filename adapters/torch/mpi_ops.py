@@ -39,7 +39,7 @@ from hvddp._grouping import check_compression
 from hvddp.ops import Refusal, announce_refusal
 
 from ._convert import Handle, TensorArgumentError, as_tensor, check_tensor, source, target
-from ._sparse import with_shape_row, without_shape_rows
+from ._sparse import _ranks, with_shape_row, without_shape_rows
 from .compression import Compression, Compressor
 
 __all__ = [
@@ -337,8 +337,8 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: ReduceOp = Avera
     Uses the names ``<name>.indices`` and ``<name>.values``; with ``name=None``, an automatic
     name (the n-th unnamed sparse allreduce on the set).
     """
+    hvddp.ops._process_set(process_set, "sparse_allreduce_async")
     if name is None:
-        hvddp.ops._process_set(process_set, "sparse_allreduce_async")
         name = hvddp.ops._auto_name("sparse_allreduce", process_set)
     elif not isinstance(name, str) or not name:
         raise TypeError(f"sparse_allreduce_async: name must be a non-empty str or None, got {name!r}.")
@@ -351,7 +351,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: ReduceOp = Avera
         op = ReduceOp(op)
         t = tensor.coalesce() if not tensor.is_coalesced() else tensor
         values = check_tensor(t.values().contiguous(), "sparse_allreduce_async", "tensor values")
-        indices, values = with_shape_row(t.indices().t(), values, tensor.shape)
+        indices, values = with_shape_row(t.indices().t(), values, tensor.shape, op)
     except Exception as exc:  # announced under both names, so ranks that made the call fail too
         for part in ("values", "indices"):
             try:
@@ -361,15 +361,15 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: ReduceOp = Avera
         raise
     h_values = hvddp.allgather_async(source(values), f"{name}.values", process_set)
     h_indices = hvddp.allgather_async(source(indices), f"{name}.indices", process_set)
-    n = process_set.size()
+    ranks = _ranks(process_set)
 
     def finish(results):
         values_all = as_tensor(results[0], tensor)
         indices_all = as_tensor(results[1], tensor)
-        indices_all, values_all = without_shape_rows(indices_all, values_all, tensor.shape, n,
+        indices_all, values_all = without_shape_rows(indices_all, values_all, tensor.shape, op, ranks,
                                                      f"sparse_allreduce_async {name!r}")
         if op == Average:
-            values_all = values_all / n
+            values_all = values_all / len(ranks)
         return torch.sparse_coo_tensor(indices_all.t(), values_all, tensor.shape, check_invariants=False)
 
     return Handle(name, [h_values, h_indices], finish)

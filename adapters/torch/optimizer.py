@@ -184,7 +184,7 @@ _COMPRESSION_CODES = {Compression.none: 0, Compression.fp16: 1, Compression.bf16
 
 def _describe_settings(code: int) -> str:
     names = ["Compression.none", "Compression.fp16", "Compression.bf16", "another compressor"]
-    return f"compression={names[code % 4]}, sparse_as_dense={bool(code // 4)}"
+    return f"op={'Sum' if code & 8 else 'Average'}, compression={names[code % 4]}, sparse_as_dense={bool(code & 4)}"
 
 
 def _settings_differ(high: int, low: int) -> str:
@@ -192,7 +192,7 @@ def _settings_differ(high: int, low: int) -> str:
     return (f"DistributedOptimizer: the ranks wrapped their optimizers with different settings (some rank "
             f"with {_describe_settings(high)}, another with {_describe_settings(low)}): their gradients would "
             f"be averaged differently and the replicas would part. No update was applied. Pass the same "
-            f"compression and sparse_as_dense on every rank.")
+            f"op, compression and sparse_as_dense on every rank.")
 
 
 def _had_code(grad: Optional[torch.Tensor]) -> int:
@@ -248,7 +248,8 @@ class _DistributedOptimizer(WrapperCommon):
         self._hvddp_post = float(gradient_predivide_factor) if op is Average else 1.0
         self._hvddp_sparse_as_dense = bool(sparse_as_dense)
         # what every rank must share and no reduction compares, as one byte (see _hvddp_synchronize)
-        self._hvddp_settings = _COMPRESSION_CODES.get(compression, len(_COMPRESSION_CODES)) + 4 * bool(sparse_as_dense)
+        self._hvddp_settings = (_COMPRESSION_CODES.get(compression, len(_COMPRESSION_CODES))
+                                + 4 * bool(sparse_as_dense) + 8 * (op == Sum))
         self._hvddp_sparse_params = set()  # known to get sparse gradients (here or on a peer)
         self._hvddp_filled = set()  # without a gradient here this step (zeros, or no sparse rows)
         self._hvddp_process_set = process_set
@@ -490,7 +491,8 @@ class _DistributedOptimizer(WrapperCommon):
         # sparse here too, as that rank's is, so that every rank's update takes it alike
         # The same reduction carries the wrapper's settings that no reduction compares (a float32
         # gradient goes as float32 under every compression; a sparse_as_dense rank sends dense
-        # what another allgathers, and only the latter would retry): the byte and its complement,
+        # what another allgathers, and only the latter would retry; a sparse gradient's op is
+        # applied after its allgather): the byte and its complement,
         # so that the maximum shows whether every rank has the same. It is awaited first: with
         # different settings no rank retries, and every rank raises.
         params, filled = self._hvddp_params, self._hvddp_filled
