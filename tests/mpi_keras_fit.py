@@ -331,6 +331,14 @@ def test_callback_arguments_are_checked_where_they_are_given():
     for arg in ("average_aggregated_gradients", "sparse_as_dense", "scale_local_gradients"):
         with pytest.raises(TypeError, match=rf"DistributedOptimizer: {arg} must be True or False.*{arg}='no'"):
             hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), **{arg: "no"})
+    # a MultiOptimizer has no gradient_accumulation_steps of its own: the passes were dropped and
+    # every batch updated, silently; a LossScaleOptimizer's inner one accumulates
+    with pytest.raises(ValueError, match=r"backward_passes_per_step=2 needs an optimizer that accumulates.*"
+                                         r"Received: MultiOptimizer"):
+        hvd.DistributedOptimizer(keras.optimizers.MultiOptimizer(keras.optimizers.OptimizerMap(
+            keras.optimizers.SGD(0.1))), backward_passes_per_step=2)
+    assert hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)),
+                                    backward_passes_per_step=2).inner_optimizer.gradient_accumulation_steps == 2
 
 
 def test_accumulators_are_averaged_after_the_first_pass_of_an_update_too():

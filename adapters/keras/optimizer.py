@@ -595,6 +595,12 @@ def _rebuilt(optimizer, backward_passes_per_step, name, op, gradient_predivide_f
     config = optimizer.get_config()
     if backward_passes_per_step > 1:
         target = _accumulation_config(config)
+        if target is None:  # (Keras accumulates no gradients for it: every batch would update)
+            raise ValueError(f"DistributedOptimizer: backward_passes_per_step={backward_passes_per_step} "
+                             f"needs an optimizer that accumulates gradients (Keras' "
+                             f"gradient_accumulation_steps), and a {type(optimizer).__name__} has none; "
+                             f"Received: {type(optimizer).__name__}. Accumulate with a single optimizer "
+                             f"(or a LossScaleOptimizer around one), or pass backward_passes_per_step=1.")
         existing = target.get("gradient_accumulation_steps")
         if existing not in (None, backward_passes_per_step):
             raise ValueError(f"DistributedOptimizer: the optimizer already has gradient_accumulation_steps="
@@ -777,16 +783,18 @@ def local_layer_weights(local_layers: Any, who: str) -> List[Any]:
     return [weight for layer in layers for weight in layer.trainable_weights]
 
 
-def _accumulation_config(config: dict) -> dict:
-    """The config dict that holds ``gradient_accumulation_steps`` (a LossScaleOptimizer's inner)."""
+def _accumulation_config(config: dict) -> Optional[dict]:
+    """The config dict that holds ``gradient_accumulation_steps`` (a LossScaleOptimizer's inner);
+    None where there is none (a MultiOptimizer's)."""
     if "gradient_accumulation_steps" in config:
         return config
-    return config.get("inner_optimizer", {}).get("config", {})
+    inner = config.get("inner_optimizer", {}).get("config", {})
+    return inner if "gradient_accumulation_steps" in inner else None
 
 
 def _passes(config: dict) -> int:
     """The batches accumulated per update (``gradient_accumulation_steps``; 1 without)."""
-    return int(_accumulation_config(config).get("gradient_accumulation_steps") or 1)
+    return int((_accumulation_config(config) or {}).get("gradient_accumulation_steps") or 1)
 
 
 def _passes_postscale(config: dict, average_aggregated_gradients: bool) -> float:
