@@ -836,6 +836,18 @@ def test_helpers_on_numpy_and_tensors(monkeypatch):
             (hvd.allreduce(w * w, name="test.h.grad", compression=compression) * (RANK + 1)).sum().backward()
             # the upstream gradients (RANK + 1) averaged, times d(w * w)/dw
             np.testing.assert_allclose(w.grad.numpy(), np.full(3, 2.0 * (1 + RANK) * (SIZE + 1) / 2))
+        # allgather, broadcast and reducescatter too (they detached it: no gradient, silently)
+        upstream = (SIZE + 1) / 2  # the ranks' (RANK + 1) averaged
+        w = torch.full((1, 2), 1.0 + RANK, requires_grad=True)
+        ((RANK + 1) * hvd.allgather(w, name="test.h.grad.gather")).sum().backward()
+        np.testing.assert_allclose(w.grad.numpy(), np.full((1, 2), upstream))
+        w = torch.full((2,), 1.0 + RANK, requires_grad=True)
+        ((RANK + 1) * hvd.broadcast(w, 0, name="test.h.grad.bcast")).sum().backward()
+        np.testing.assert_allclose(w.grad.numpy(), np.full(2, upstream if RANK == 0 else 0.0))
+        w = torch.ones((SIZE, 2), requires_grad=True)
+        ((RANK + 1) * hvd.reducescatter(w, name="test.h.grad.rs", op=hvd.Sum)).sum().backward()
+        # (Horovod's gradient: every rank's upstream rows gathered, times the set's size for Sum)
+        np.testing.assert_allclose(w.grad.numpy(), np.repeat(np.arange(1.0, SIZE + 1) * SIZE, 2).reshape(SIZE, 2))
     if BACKEND == "jax":  # a concrete array a jitted function closes over: reduced on every call,
         # not once while tracing (only a tracer input used to send the call through io_callback)
         import hvddp

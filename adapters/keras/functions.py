@@ -85,6 +85,15 @@ def allreduce(value: Any, name: Optional[str] = None, average: Optional[bool] = 
     return _backend.call(fn, [value])[0]
 
 
+def _torch_op(fn: str):
+    """``hvddp.torch``'s differentiable collective ``fn``, for a torch tensor that autograd records
+    (differentiable, as on TensorFlow: the numpy path detached it, and its gradient went missing
+    silently); it checks and announces its arguments itself."""
+    import hvddp.torch as hvd_torch
+
+    return getattr(hvd_torch, fn)
+
+
 def allgather(value: Any, name: Optional[str] = None, process_set: ProcessSet = global_process_set) -> Any:
     """Concatenate every rank's ``value`` along the first dimension, in rank order.
 
@@ -100,6 +109,8 @@ def allgather(value: Any, name: Optional[str] = None, process_set: ProcessSet = 
         from hvddp.tensorflow import allgather as tf_allgather
 
         return tf_allgather(value, name=name, process_set=process_set)
+    if backend == "torch" and _backend.needs_grad(value):
+        return _torch_op("allgather")(value, name=name, process_set=process_set)
 
     shape = tuple(value.shape)
     with _announcing(hvddp.allgather, name, process_set, value):
@@ -136,6 +147,9 @@ def reducescatter(value: Any, name: Optional[str] = None, op: Any = None,
         from hvddp.tensorflow import reducescatter as tf_reducescatter
 
         return tf_reducescatter(value, name=name, op=op, process_set=process_set)
+    if backend == "torch" and _backend.needs_grad(value):
+        return _torch_op("reducescatter")(value, name=name, op=hvddp.Average if op is None else op,
+                                          process_set=process_set)
     with _announcing(hvddp.reducescatter, name, process_set, value):
         op = _grouping.check_op(op, None, "reducescatter")
         if not _backend.is_numpy(value) and not tuple(value.shape):  # (the core checks numpy values)
@@ -163,6 +177,8 @@ def broadcast(value: Any, root_rank: int, name: Optional[str] = None,
         from hvddp.tensorflow import broadcast as tf_broadcast
 
         return tf_broadcast(value, root_rank, name=name, process_set=process_set)
+    if _backend.name() == "torch" and _backend.needs_grad(value):
+        return _torch_op("broadcast")(value, root_rank, name=name, process_set=process_set)
 
     def fn(x):
         return [np.asarray(hvddp.broadcast(x, root_rank, name=name, process_set=process_set), dtype=x.dtype)]
