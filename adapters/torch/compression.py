@@ -74,3 +74,15 @@ class Compression:
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+
+
+def native(compression: Any) -> Any:
+    """This module's compressor for the core's ``hvddp.Compression.none``, ``.fp16`` or ``.bf16``
+    (the same casts, on torch tensors; the core's cast numpy arrays only and failed on a tensor);
+    any other compressor as given."""
+    from hvddp.compression import Compression as Core
+
+    for core, ours in ((Core.none, Compression.none), (Core.fp16, Compression.fp16), (Core.bf16, Compression.bf16)):
+        if compression is core:
+            return ours
+    return compression

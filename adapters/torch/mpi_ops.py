@@ -40,7 +40,7 @@ from hvddp.ops import Refusal, announce_refusal
 
 from ._convert import Handle, TensorArgumentError, as_tensor, check_tensor, source, target
 from ._sparse import _ranks, with_shape_row, without_shape_rows
-from .compression import Compression, Compressor
+from .compression import Compression, Compressor, native
 
 __all__ = [
     "Handle", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
@@ -96,7 +96,7 @@ def _compressor(compression: Any, fn: str) -> Compressor:
     """``compression`` if it can compress, else a ``TensorArgumentError`` naming it (announced to
     the other ranks like a bad tensor)."""
     try:
-        return check_compression(compression, fn)
+        return native(check_compression(compression, fn))
     except TypeError as exc:
         raise TensorArgumentError(str(exc)) from None
 
@@ -238,7 +238,8 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     See ``allreduce_async`` for the contract across ranks.
     """
     check_tensor(tensor, "allreduce")
-    compressed, ctx = _compressor(compression, "allreduce").compress(tensor)
+    compression = _compressor(compression, "allreduce")
+    compressed, ctx = compression.compress(tensor)
     if _needs_grad(compressed):
         out = _Allreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor,
                                process_set)
@@ -315,7 +316,8 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
                       names: Optional[Sequence[str]] = None) -> List[torch.Tensor]:
     """Reduce a list of tensors as one group and return new tensors; blocks; differentiable."""
     tensors = _tensors(tensors, "grouped_allreduce")
-    pairs = [_compressor(compression, "grouped_allreduce").compress(t) for t in tensors]
+    compression = _compressor(compression, "grouped_allreduce")
+    pairs = [compression.compress(t) for t in tensors]
     compressed = [c for c, _ in pairs]
     if _needs_grad(*compressed):
         outs = list(_GroupedAllreduce.apply(average, name, op, prescale_factor, postscale_factor,
@@ -638,7 +640,8 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
                   postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce ``tensor`` across ranks and return this rank's slice; blocks; differentiable."""
     check_tensor(tensor, "reducescatter")
-    compressed, ctx = _compressor(compression, "reducescatter").compress(tensor)
+    compression = _compressor(compression, "reducescatter")
+    compressed, ctx = compression.compress(tensor)
     if _needs_grad(compressed):
         out = _Reducescatter.apply(compressed, name, op, process_set, prescale_factor, postscale_factor)
     else:
@@ -680,7 +683,8 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] =
                           postscale_factor: float = 1.0) -> List[torch.Tensor]:
     """Reducescatter each tensor in a list, as one group; blocks; differentiable."""
     tensors = _tensors(tensors, "grouped_reducescatter")
-    pairs = [_compressor(compression, "grouped_reducescatter").compress(t) for t in tensors]
+    compression = _compressor(compression, "grouped_reducescatter")
+    pairs = [compression.compress(t) for t in tensors]
     compressed = [c for c, _ in pairs]
     if _needs_grad(*compressed):
         outs = list(_GroupedReducescatter.apply(name, op, process_set, prescale_factor,

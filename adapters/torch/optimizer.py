@@ -41,7 +41,7 @@ from ._convert import as_numpy
 from ._sparse import sparse_rows_async
 from ._wrapper import WrapperCommon, check_passes, remove_hooks, too_many_passes, weak_hook
 from .adasum import _DistributedAdasumOptimizer, check_adasum_set
-from .compression import Compression, Compressor
+from .compression import Compression, Compressor, native
 from .mpi_ops import allreduce, allreduce_async_, grouped_allreduce_async_
 
 # GradScaler warns custom optimizers that take its grad_scaler argument (this one does) of a
@@ -224,7 +224,7 @@ class _DistributedOptimizer(WrapperCommon):
         if gradient_predivide_factor != 1.0 and op is not Average:
             raise ValueError(f"`gradient_predivide_factor` applies only to op=Average, got op={op!r} "
                              f"with gradient_predivide_factor={gradient_predivide_factor}.")
-        _grouping.check_compression(compression, "DistributedOptimizer")
+        compression = native(_grouping.check_compression(compression, "DistributedOptimizer"))
         if not isinstance(process_set, ProcessSet):
             raise TypeError(f"`process_set` must be an hvddp.ProcessSet, got {type(process_set).__name__}.")
 
@@ -777,6 +777,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                       "`groups=` instead.", DeprecationWarning, stacklevel=2)
         if groups is None:
             groups = num_groups
+    compression = native(compression)  # (the core's Compression.fp16 is this module's)
     adasum = op is Adasum or (isinstance(op, numbers.Integral) and not isinstance(op, bool) and op == Adasum)
     if adasum:
         _check_adasum_arguments(compression, backward_passes_per_step, gradient_predivide_factor,
