@@ -204,7 +204,10 @@ def find_launch(mpiexec: Optional[str] = None) -> Launch:
     text, libs = _library()
     family = mpi_family(text)
     library = text.strip().splitlines()[0].strip() if text.strip() else "unknown MPI library"
-    if mpiexec:
+    if mpiexec is not None:
+        if not mpiexec.strip():  # (an empty --mpiexec "$MPIEXEC" of an unset variable was taken as absent)
+            raise RuntimeError(f"--mpiexec {mpiexec!r} names no launcher; give its path (leave --mpiexec out "
+                               f"to use the one of the MPI library mpi4py loads).")
         found = shutil.which(mpiexec)
         if found is None:
             raise RuntimeError(f"--mpiexec {mpiexec!r} is not an executable file (or a command on PATH).")
@@ -239,14 +242,18 @@ def parse_hosts(text: str) -> List[Tuple[str, int]]:
         if not host.strip():
             raise ValueError(f"-H {text!r}: entry {item!r} has no host name; expected host1:slots,host2:slots.")
         hosts.append((host.strip(), _slots(slots or "1", item)))
-    if not hosts:
-        raise ValueError(f"-H {text!r} names no hosts; expected host1:slots,host2:slots.")
+    if not hosts:  # (also an empty -H "$HOSTS" of an unset variable: it ran every rank here)
+        raise ValueError(f"-H {text!r} names no hosts; expected host1:slots,host2:slots (leave -H out "
+                         f"to run every rank on this machine).")
     return hosts
 
 
 def parse_hostfile(path: str) -> List[Tuple[str, int]]:
     """Read a hostfile: one host per line as ``host``, ``host:N`` or ``host slots=N``."""
     hosts = []
+    if not path.strip():  # (an empty --hostfile "$FILE" of an unset variable ran every rank here)
+        raise ValueError(f"--hostfile {path!r} names no file; give a hostfile (leave --hostfile out to run "
+                         f"every rank on this machine).")
     try:
         f = open(path)
     except OSError as exc:
@@ -608,8 +615,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     status_dir = None
     try:
         env = settings_env(opts)
-        hosts = parse_hosts(opts.hosts) if opts.hosts else (
-            parse_hostfile(opts.hostfile) if opts.hostfile else None)
+        hosts = parse_hosts(opts.hosts) if opts.hosts is not None else (
+            parse_hostfile(opts.hostfile) if opts.hostfile is not None else None)
         launch = find_launch(opts.mpiexec)
         status_dir = None if opts.dry_run else tempfile.mkdtemp(prefix="hvddprun-")
         if status_dir:

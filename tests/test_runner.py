@@ -102,6 +102,10 @@ def test_hosts_and_hostfile(tmp_path, hosts):
     (["-np", "2", "--num-nccl-streams", "2"], ["--num-nccl-streams", "one NCCL stream"]),
     (["-np", "2", "--stall-check", "--no-stall-check"], ["not allowed with"]),
     (["-np", "2", "--timeline-mark-cycles", "--no-timeline-mark-cycles"], ["not allowed with"]),
+    # an empty value (`-H "$HOSTS"` with $HOSTS unset) was taken as no option: every rank ran here
+    (["-np", "2", "-H", ""], ["-H ''", "names no hosts", "leave -H out"]),
+    (["-np", "2", "--hostfile", ""], ["--hostfile ''", "names no file", "leave --hostfile out"]),
+    (["-np", "2", "--mpiexec", ""], ["--mpiexec ''", "names no launcher", "leave --mpiexec out"]),
 ])
 def test_bad_arguments_fail_before_launch_naming_the_option(args, words, tmp_path):
     result, elapsed = hvddprun(args + ([] if args[-1].endswith(".py") or args == ["-np", "2"] else ["python", PRINT]),
