@@ -290,7 +290,8 @@ def parse_hostfile(path: str) -> List[Tuple[str, int]]:
 
 
 def _slots(text: str, item: str) -> int:
-    if not text.isdigit() or int(text) < 1:
+    # (ASCII digits: str.isdigit() takes '²', on which int() raised a bare "invalid literal")
+    if not re.fullmatch(r"[0-9]+", text) or int(text) < 1:
         raise ValueError(f"host entry {item!r}: slots must be a positive integer, got {text!r}.")
     return int(text)
 
@@ -346,13 +347,17 @@ def settings_env(opts: argparse.Namespace) -> Dict[str, str]:
         if value is None:
             continue
         flag = "--" + dest.replace("_", "-")
+        # checked with the variable's own parser, and explained in the option's terms: the variable
+        # is hvddprun's doing, not the user's (config.from_env's message says to fix or unset it)
+        parse = config.VARIABLES[variable[len("HVDDP_"):]][1]
         try:
             env[variable] = convert(value)
-            config.from_env({variable: env[variable]})
         except (ValueError, OverflowError) as exc:  # (int(inf) overflows)
-            # in the option's terms: the variable is hvddprun's doing, not the user's
-            why = re.sub(r"^environment variable \S+ is not valid: (.*?)\s*Fix or unset \S+$", r"\1", str(exc))
-            raise ValueError(f"{flag} {value!r} is not valid ({why.rstrip('.')}; sets {variable})") from None
+            raise ValueError(f"{flag} {value!r} is not valid ({str(exc).rstrip('.')}; sets {variable})") from None
+        try:
+            parse(env[variable])
+        except (ValueError, OverflowError):
+            raise ValueError(f"{flag} {value!r} is not valid (expected {parse.expected}; sets {variable})") from None
     if getattr(opts, "no_stall_check", False):
         env["HVDDP_STALL_CHECK_DISABLE"] = "1"
     if getattr(opts, "timeline_mark_cycles", False):

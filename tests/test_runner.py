@@ -106,6 +106,11 @@ def test_hosts_and_hostfile(tmp_path, hosts):
     (["-np", "2", "-H", ""], ["-H ''", "names no hosts", "leave -H out"]),
     (["-np", "2", "--hostfile", ""], ["--hostfile ''", "names no file", "leave --hostfile out"]),
     (["-np", "2", "--mpiexec", ""], ["--mpiexec ''", "names no launcher", "leave --mpiexec out"]),
+    # (the message was hvddp.config's, to fix HVDDP_LOG_LEVEL, which the user never set)
+    (["-np", "2", "--log-level", "very loud"], ["--log-level 'very loud' is not valid (expected one of TRACE"]),
+    (["-np", "2", "--timeline-filename", " "], ["--timeline-filename ' ' is not valid (expected a path"]),
+    # (a bare "invalid literal for int()": str.isdigit() takes '²')
+    (["-np", "2", "-H", "node1:\u00b2"], ["slots must be a positive integer", "'\u00b2'"]),
 ])
 def test_bad_arguments_fail_before_launch_naming_the_option(args, words, tmp_path):
     result, elapsed = hvddprun(args + ([] if args[-1].endswith(".py") or args == ["-np", "2"] else ["python", PRINT]),
@@ -114,6 +119,7 @@ def test_bad_arguments_fail_before_launch_naming_the_option(args, words, tmp_pat
     assert "CONFIG" not in result.stdout  # nothing was launched
     for word in words:
         assert word in result.stdout, result.stdout
+    assert "Fix or unset" not in result.stdout, result.stdout  # (a variable the user did not set)
     assert elapsed < 10
     assert not list(tmp_path.iterdir())  # no status directory left behind
 
@@ -270,7 +276,8 @@ def test_hostfile_formats(tmp_path):
     with pytest.raises(ValueError, match="line 1"):
         runner.parse_hostfile(str(f))
     # what was taken silently before: an unknown option (slots stayed 1), slots given twice
-    for text, words in (("a foo=3\n", "'foo=3' is not a slots=N"), ("a:2 slots=5\n", "slots twice")):
+    for text, words in (("a foo=3\n", "'foo=3' is not a slots=N"), ("a:2 slots=5\n", "slots twice"),
+                        ("a slots=\u00b2\n", "slots must be a positive integer")):  # (int() raised on '²')
         f.write_text(text)
         with pytest.raises(ValueError, match=f"line 1: .*{words}"):
             runner.parse_hostfile(str(f))
