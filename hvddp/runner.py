@@ -108,11 +108,26 @@ _DEFAULT_ONLY = {
 
 
 class _Parser(argparse.ArgumentParser):
+    _args: List[str] = []  # what parse_args was given, for the messages of error()
+
+    def parse_args(self, args=None, namespace=None):
+        self._args = list(sys.argv[1:] if args is None else args)
+        return super().parse_args(args, namespace)
+
     def error(self, message: str):
         hints = [f"{flag}: {hint}" for flag, hint in _HOROVODRUN_ONLY.items()
                  if re.search(rf"(^|[\s:'\"]){re.escape(flag)}($|[\s=,'\"])", message)]
         if hints:
             message += " (horovodrun options hvddprun does not take; instead, " + "; ".join(hints) + ")"
+        if message.startswith("argument --mpi-args: expected one argument"):
+            # argparse takes a separate value that starts with "-" for an option of its own
+            given = [b for a, b in zip(self._args, self._args[1:])
+                     if len(a) > len("--mpi-") and "--mpi-args".startswith(a) and b.startswith("-")]
+            if given:
+                value = given[0]
+                joined = f'"{value}"' if not re.search(r'["\\$`!]', value) else shlex.quote(value)
+                message = (f"--mpi-args {value!r}: a value that starts with '-' must be joined to the "
+                           f"option with '=': --mpi-args={joined}")
         super().error(message)
 
 # Forwarded to remote ranks by Open MPI (which forwards nothing by default) when set: these, and
@@ -605,6 +620,16 @@ def _split_command(parser: argparse.ArgumentParser, argv: List[str]) -> Tuple[Li
     return argv, []
 
 
+def _split_mpi_args(text: str) -> List[str]:
+    """``--mpi-args``'s words, split as a shell would (a bare "No closing quotation" named neither
+    the option nor the value)."""
+    try:
+        return shlex.split(text)
+    except ValueError as exc:
+        raise ValueError(f"--mpi-args {text!r} does not split into words as a shell would split it "
+                         f"({str(exc).lower()}): close or escape its quotes.") from None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``hvddprun`` console script; returns the job's exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -629,7 +654,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         command = python_command(command)
         if not opts.no_rank_monitor:
             command = [sys.executable, os.path.abspath(_faults.__file__), "--rank-monitor", "--"] + command
-        cmd = build_command(launch, opts.np, command, env, hosts, shlex.split(opts.mpi_args))
+        cmd = build_command(launch, opts.np, command, env, hosts, _split_mpi_args(opts.mpi_args))
     except (ValueError, RuntimeError, OSError) as exc:
         if status_dir:
             shutil.rmtree(status_dir, ignore_errors=True)

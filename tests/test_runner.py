@@ -111,6 +111,9 @@ def test_hosts_and_hostfile(tmp_path, hosts):
     (["-np", "2", "--timeline-filename", " "], ["--timeline-filename ' ' is not valid (expected a path"]),
     # (a bare "invalid literal for int()": str.isdigit() takes '²')
     (["-np", "2", "-H", "node1:\u00b2"], ["slots must be a positive integer", "'\u00b2'"]),
+    # (bare "No closing quotation"; argparse's "expected one argument")
+    (["-np", "2", "--mpi-args", '-prepend-rank "x'], ["--mpi-args '-prepend-rank \"x'", "no closing quotation"]),
+    (["-np", "2", "--mpi-args", "-prepend-rank"], ["--mpi-args '-prepend-rank'", '--mpi-args="-prepend-rank"']),
 ])
 def test_bad_arguments_fail_before_launch_naming_the_option(args, words, tmp_path):
     result, elapsed = hvddprun(args + ([] if args[-1].endswith(".py") or args == ["-np", "2"] else ["python", PRINT]),
