@@ -313,7 +313,7 @@ def _slots(text: str, item: str) -> int:
 
 # Command line -----------------------------------------------------------------------------
 _PYTHON = re.compile(r"^(python|pypy)(\d+(\.\d+)?)?$")
-_PY_OPTS_WITH_ARG = ("-W", "-X", "-Q")
+_PY_OPTS_WITH_ARG = ("-W", "-X", "-Q", "--check-hash-based-pycs")
 
 
 def python_command(command: Sequence[str]) -> List[str]:
@@ -336,16 +336,38 @@ def python_command(command: Sequence[str]) -> List[str]:
     elif not (_PYTHON.match(os.path.basename(first)) or
               os.path.realpath(shutil.which(first) or first) == os.path.realpath(sys.executable)):
         return command
-    i = 1
-    while i < len(command):
-        arg = command[i]
-        if arg in ("-m", "-c", "-") or not arg.startswith("-"):
-            break
-        i += 2 if arg in _PY_OPTS_WITH_ARG else 1
+    i = _interpreter_options_end(command)
     if command[i:i + 2] == ["-m", "mpi4py"] or (i < len(command) and command[i] == "-m"
                                                  and command[i + 1:i + 2] == ["mpi4py.run"]):
         return command
     return command[:i] + ["-m", "mpi4py"] + command[i:]
+
+
+def _interpreter_options_end(command: List[str]) -> int:
+    """The index in ``command`` (a Python command) where the interpreter's options end: at its
+    ``-m``/``-c``/``-`` or script. A joined ``-mMODULE``/``-cCODE``, also after other flags in one
+    word (``-um pytest``, ``-Bcprint(1)``), is split into ``-m MODULE`` in place (with the flags
+    before it kept as a word of their own): mpi4py's ``-m`` takes only the separate form, and
+    ``-m mpi4py`` went after a ``-mpytest`` as the module's own arguments."""
+    i = 1
+    while i < len(command):
+        arg = command[i]
+        if arg in ("-m", "-c", "-") or not arg.startswith("-"):
+            return i
+        if arg.startswith("--"):
+            i += 2 if arg in _PY_OPTS_WITH_ARG else 1
+            continue
+        for k, flag in enumerate(arg[1:], 1):  # a word of one-letter flags, as Python reads it
+            if flag in "mc":
+                before, value = arg[:k], arg[k + 1:]
+                command[i:i + 1] = ([before] if k > 1 else []) + [f"-{flag}"] + ([value] if value else [])
+                return i + 1 if k > 1 else i
+            if "-" + flag in _PY_OPTS_WITH_ARG:  # its value: the rest of the word, or the next one
+                i += 1 if arg[k + 1:] else 2
+                break
+        else:
+            i += 1
+    return i
 
 
 def settings_env(opts: argparse.Namespace) -> Dict[str, str]:

@@ -255,6 +255,14 @@ def test_hydra_flags_hosts_and_env():
     ([sys.executable, "-m", "mpi4py", "t.py"], [sys.executable, "-m", "mpi4py", "t.py"]),
     (["/usr/bin/python3", "t.py"], ["/usr/bin/python3", "-m", "mpi4py", "t.py"]),
     (["bash", "run.sh"], ["bash", "run.sh"]),
+    # joined -mMODULE/-cCODE, also after other flags in one word: -m mpi4py went after -mpytest,
+    # as pytest's own arguments (and mpi4py's -m takes only the separate form)
+    (["python", "-mpytest", "-q"], [sys.executable, "-m", "mpi4py", "-m", "pytest", "-q"]),
+    (["python", "-cprint(1)", "x"], [sys.executable, "-m", "mpi4py", "-c", "print(1)", "x"]),
+    (["python", "-um", "pytest"], [sys.executable, "-u", "-m", "mpi4py", "-m", "pytest"]),
+    (["python", "-Wignore", "-Bmpytest"], [sys.executable, "-Wignore", "-B", "-m", "mpi4py", "-m", "pytest"]),
+    (["python", "-uW", "ignore", "t.py"], [sys.executable, "-uW", "ignore", "-m", "mpi4py", "t.py"]),
+    (["python", "-mmpi4py", "t.py"], [sys.executable, "-m", "mpi4py", "t.py"]),
 ])
 def test_python_commands_get_mpi4py(command, expected):
     assert runner.python_command(command) == expected
