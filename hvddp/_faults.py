@@ -208,7 +208,9 @@ def _write_status(kind: str, payload: dict) -> None:
 # signal), writes that down with the rank's number before the launcher tears the job down, and
 # turns "exited 0 without finishing" into a failure.
 _RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
-_FORWARDED_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT")
+_FORWARDED_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT", "SIGALRM")
+# signals a rank handles and goes on (a checkpoint before Slurm's time limit): not the launcher stopping it
+_CONTINUE_SIGNALS = ("SIGUSR1", "SIGUSR2")
 _LAUNCHER_STOP_WAIT_S = 3.0  # how long a monitor waits for hydra to stop the job after its rank failed
 
 
@@ -327,7 +329,8 @@ def rank_monitor(command: Sequence[str]) -> int:
             from_proxy = proxy is not None and info.si_pid == proxy
             # (si_pid 0: a sender outside this PID namespace, such as a container's host)
             from_group = leader and not from_proxy and info.si_pid > 0 and _in_my_group(info.si_pid)
-            if from_proxy or (proxy is None and not from_group):
+            goes_on = signal.Signals(info.si_signo).name in _CONTINUE_SIGNALS
+            if (from_proxy or (proxy is None and not from_group)) and not goes_on:
                 stopped.append(info.si_signo)
             if not (from_proxy or from_group):
                 try:

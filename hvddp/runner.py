@@ -696,6 +696,14 @@ def _launcher_setup() -> None:  # runs in mpiexec between fork and exec
     _faults.signal_at_parent_death(signal.SIGTERM)
 
 
+# what hvddprun passes on to the launcher, which passes it to the ranks (hydra all but SIGUSR2,
+# of which it dies; Open MPI's launcher SIGUSR2 too); all but _CONTINUE_SIGNALS stop the job
+# unless the ranks handle them. Those beyond SIGTERM/SIGHUP/SIGINT (SIGUSR1 from Slurm's
+# --signal=USR1@60, say) killed hvddprun outright: no report, its status folder and the ranks'
+# shared memory left behind, and the ranks got SIGTERM from their launcher's death instead.
+_FORWARDED_SIGNALS = tuple(getattr(signal, name) for name in (
+    "SIGTERM", "SIGHUP", "SIGINT", "SIGQUIT", "SIGALRM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
+_CONTINUE_SIGNALS = tuple(getattr(signal, name) for name in ("SIGUSR1", "SIGUSR2") if hasattr(signal, name))
 _WATCH_S = 0.25  # how often hvddprun looks at the ranks' status while the launcher runs
 _STOP_AFTER_S = 5.0  # how long after a rank failed hvddprun lets the launcher end the job itself
 
@@ -713,10 +721,11 @@ def _run(cmd: List[str], status_dir: str, np_: int, monitored: bool = True) -> i
         print(f"hvddprun: cannot start {cmd[0]}: {exc}", file=sys.stderr)
         return 127
 
-    stopped_by = []  # the signals hvddprun got: the ranks were stopped, they did not fail
+    stopped_by = []  # the stopping signals hvddprun got: the ranks were stopped, they did not fail
+    passed_on = []  # the others (SIGUSR1, SIGUSR2): the job goes on
 
     def forward(signum, _frame):
-        stopped_by.append(signal.Signals(signum).name)
+        (passed_on if signum in _CONTINUE_SIGNALS else stopped_by).append(signal.Signals(signum).name)
         try:
             proc.send_signal(signum)
         except OSError:
@@ -725,7 +734,7 @@ def _run(cmd: List[str], status_dir: str, np_: int, monitored: bool = True) -> i
     started = time.time()
     # SIGINT too gets a handler rather than a KeyboardInterrupt, which could land anywhere in the
     # loop below (in the status check, say), escape it and leave the launcher running unwatched
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    previous = {s: signal.signal(s, forward) for s in _FORWARDED_SIGNALS}
     first_failure = None  # when a rank's failure was first seen, while the launcher still ran
     stopping = 0.0  # when hvddprun stopped the launcher itself
     try:
@@ -751,6 +760,9 @@ def _run(cmd: List[str], status_dir: str, np_: int, monitored: bool = True) -> i
         for s, handler in previous.items():
             signal.signal(s, handler)
     if returncode < 0:
+        if not stopped_by and -returncode in _CONTINUE_SIGNALS and signal.Signals(-returncode).name in passed_on:
+            # the launcher itself died of it (hydra does of SIGUSR2, which it does not pass on)
+            stopped_by.append(signal.Signals(-returncode).name)
         returncode = 128 - returncode
     code, lines = _faults.report(status_dir, np_, returncode, stopped_by[0] if stopped_by else None,
                                  monitored)

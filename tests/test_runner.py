@@ -331,9 +331,14 @@ def test_check_build_reports_library_threads_and_frameworks():
 
 def _start_hvddprun(script: str) -> subprocess.Popen:
     """``hvddprun -np 2 python -c script`` in a session of its own, its output read as it comes."""
+    import resource
+
+    def no_core_files():  # (a rank killed by SIGQUIT dumps core, into the repository)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
     return subprocess.Popen([sys.executable, "-m", "hvddp.runner", "-np", "2", "python", "-c", script],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=no_core_files)
 
 
 def _kill_if_running(proc: subprocess.Popen) -> None:
@@ -419,10 +424,12 @@ def test_a_ranks_own_group_signal_reaches_it_once_and_a_monitors_signal_that_kil
         _kill_if_running(proc)
 
 
-@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM", "SIGQUIT", "SIGALRM"])
 def test_a_signal_to_hvddprun_alone_stops_the_job(signame):
     """A SIGINT or SIGTERM sent to hvddprun only (not to the terminal's whole group) reaches the
-    job, and hvddprun says it stopped the ranks (not that they vanished)."""
+    job, and hvddprun says it stopped the ranks (not that they vanished). So do SIGQUIT and
+    SIGALRM, which killed hvddprun outright: no report, the signal's own exit status, and its
+    status folder and the ranks' shared memory left behind."""
     import signal
 
     script = "import time, hvddp; hvddp.init(); print('rank-is-up', flush=True); time.sleep(120)"
@@ -510,5 +517,48 @@ def test_a_rank_gets_a_signal_to_hvddprun_once_and_so_do_its_children(to, tmp_pa
         while any(os.path.exists(f"/proc/{pid}") for pid in children) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")], out
+    finally:
+        _kill_if_running(proc)
+
+
+def test_sigusr1_to_hvddprun_reaches_the_ranks_handler_and_the_job_goes_on(tmp_path):
+    """SIGUSR1 (Slurm's --signal=USR1@60: checkpoint before the time limit) killed hvddprun
+    outright, and the ranks got SIGTERM from their launcher's death instead of running their
+    SIGUSR1 handler. It is passed on, each rank's handler runs once, and the job goes on: a rank
+    that fails afterwards is named as the one that failed (its monitor took the launcher's
+    SIGUSR1 for the job being stopped, and reported nothing)."""
+    import signal
+
+    script = ("import os, signal, time, hvddp; got = []\n"
+              "def handler(*a):\n"
+              "    got.append(1)\n"
+              f"    with open(os.path.join({str(tmp_path)!r}, str(hvddp.rank())), 'a') as f: f.write('got\\n')\n"
+              "signal.signal(signal.SIGUSR1, handler); hvddp.init(); print('rank-is-up', flush=True)\n"
+              "end = time.time() + 60\n"
+              "while time.time() < end and not got: time.sleep(0.05)\n"
+              "hvddp.barrier(); time.sleep(1)\n"
+              "if hvddp.rank() == 1: os._exit(3)\n"
+              "hvddp.barrier()")
+    proc = _start_hvddprun(script)
+    try:
+        up, seen = 0, ""
+        while up < 2:
+            line = proc.stdout.readline()
+            assert line, f"hvddprun ended before the ranks were up:\n{seen}"
+            seen += line
+            up += line.count("rank-is-up")
+        proc.send_signal(signal.SIGUSR1)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"hvddprun still ran 30 s after SIGUSR1:\n{seen}{proc.communicate()[0]}")
+        out = seen + out
+        runs = {p.name: p.read_text().count("got") for p in tmp_path.iterdir()}
+        assert runs == {"0": 1, "1": 1}, (runs, out)
+        assert proc.returncode == 3, out  # the job's own code: hvddprun did not stop it
+        assert re.search(r"hvddprun: the first rank to fail: rank 1 \(pid \d+ on .*\), which exited with code 3",
+                         out), out
+        assert "stopped by" not in out, out
     finally:
         _kill_if_running(proc)
