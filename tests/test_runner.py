@@ -350,6 +350,40 @@ def _kill_if_running(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def _until_ranks_up(proc: subprocess.Popen) -> str:
+    """hvddprun's output until both ranks have printed 'rank-is-up' (two ranks' lines can share
+    one; a hang is caught by the test's timeout)."""
+    seen = ""
+    while seen.count("rank-is-up") < 2:
+        line = proc.stdout.readline()
+        assert line, f"hvddprun ended before the ranks were up:\n{seen}"
+        seen += line
+    return seen
+
+
+def _noting_handler(tmp_path, signame: str) -> str:
+    """The start of a rank's script: a ``signame`` handler that appends to ``got`` and notes each
+    run at once in a file named by the rank (a launcher may kill the ranks soon after, and their
+    output then is lost); ends inside a line, ready for more statements."""
+    return ("import os, signal, time, hvddp; got = []\n"
+            "def handler(*a):\n"
+            "    got.append(1)\n"
+            f"    with open(os.path.join({str(tmp_path)!r}, str(hvddp.rank())), 'a') as f: f.write('got\\n')\n"
+            f"signal.signal(signal.{signame}, handler); ")
+
+
+def _output_after(proc: subprocess.Popen, signame: str, seen: str = "") -> str:
+    """``seen`` and the rest of hvddprun's output once it ends, within 30 s of ``signame``; else
+    the test fails showing what hvddprun said before it hung."""
+    import signal
+
+    try:
+        return seen + proc.communicate(timeout=30)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"hvddprun still ran 30 s after {signame}:\n{seen}{proc.communicate()[0]}")
+
+
 def test_a_killed_hvddprun_takes_the_job_with_it():
     """The launcher runs in a session of its own (so that it gets each signal once, from
     hvddprun), and dies with hvddprun: a SIGKILL to hvddprun alone leaves no rank running."""
@@ -411,12 +445,7 @@ def test_a_ranks_own_group_signal_reaches_it_once_and_a_monitors_signal_that_kil
         assert sorted(re.findall(r"rank (\d) got (\d+)", seen)) == [("0", "3"), ("1", "3")], seen
         monitor = int(re.search(r"rank 1 got \d+ monitor (\d+)", seen).group(1))
         os.kill(monitor, signal.SIGUSR2)
-        try:
-            out, _ = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"hvddprun still ran 30 s after SIGUSR2:\n{seen}{proc.communicate()[0]}")
-        out = seen + out
+        out = _output_after(proc, "SIGUSR2", seen)
         assert proc.returncode == 128 + signal.SIGUSR2, out
         assert re.search(r"hvddprun: the first rank to fail: rank 1 \(pid \d+ on .*\), which was killed by "
                          r"signal 12 \(SIGUSR2\)", out), out
@@ -435,19 +464,10 @@ def test_a_signal_to_hvddprun_alone_stops_the_job(signame):
     script = "import time, hvddp; hvddp.init(); print('rank-is-up', flush=True); time.sleep(120)"
     proc = _start_hvddprun(script)
     try:
-        up, seen = 0, ""
-        while up < 2:  # both ranks are past init() and sleeping (a hang is caught by the timeout)
-            line = proc.stdout.readline()
-            assert line, f"hvddprun ended before the ranks were up:\n{seen}"
-            seen += line
-            up += line.count("rank-is-up")  # (two ranks' lines can share one)
+        _until_ranks_up(proc)  # both ranks are past init() and sleeping
         start = time.monotonic()
         proc.send_signal(getattr(signal, signame))
-        try:
-            out, _ = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:  # show what hvddprun said before it hung
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"hvddprun still ran 30 s after {signame}:\n{proc.communicate()[0]}")
+        out = _output_after(proc, signame)
         assert proc.returncode == 128 + getattr(signal, signame), out  # as a shell reports it (was hydra's code)
         assert time.monotonic() - start < 20, out
         assert f"hvddprun: stopped by {signame}, which it passed on to the launcher.\n" in out, out
@@ -473,11 +493,7 @@ def test_a_rank_gets_a_signal_to_hvddprun_once_and_so_do_its_children(to, tmp_pa
 
     # (each run of the handler notes it at once, in a file: Open MPI's launcher kills the ranks
     # 0.2 s after its SIGTERM, and their output then is lost)
-    script = ("import os, signal, subprocess, time, hvddp; got = []\n"
-              "def handler(*a):\n"
-              "    got.append(1)\n"
-              f"    with open(os.path.join({str(tmp_path)!r}, str(hvddp.rank())), 'a') as f: f.write('got\\n')\n"
-              "signal.signal(signal.SIGTERM, handler); "
+    script = (_noting_handler(tmp_path, "SIGTERM") + "import subprocess; "
               "child = subprocess.Popen(['sleep', '60']); "
               "hvddp.init(); print(f'rank-is-up child {child.pid} monitor {os.getppid()}', flush=True)\n"
               "end = time.time() + 60\n"
@@ -486,15 +502,9 @@ def test_a_rank_gets_a_signal_to_hvddprun_once_and_so_do_its_children(to, tmp_pa
     proc = _start_hvddprun(script)
     children, monitors = [], []
     try:
-        up, seen = 0, ""
-        while up < 2:
-            line = proc.stdout.readline()
-            assert line, f"hvddprun ended before the ranks were up:\n{seen}"
-            seen += line
-            up += line.count("rank-is-up")
-            for child, monitor in re.findall(r"rank-is-up child (\d+) monitor (\d+)", line):
-                children.append(int(child))
-                monitors.append(int(monitor))
+        for child, monitor in re.findall(r"rank-is-up child (\d+) monitor (\d+)", _until_ranks_up(proc)):
+            children.append(int(child))
+            monitors.append(int(monitor))
         start = time.monotonic()
         if to == "its_group":
             os.killpg(proc.pid, signal.SIGTERM)
@@ -505,11 +515,7 @@ def test_a_rank_gets_a_signal_to_hvddprun_once_and_so_do_its_children(to, tmp_pa
                 os.kill(monitor, signal.SIGTERM)
             for child in children:  # the rank alone is signalled: its children are not ours to test
                 os.kill(child, signal.SIGKILL)
-        try:
-            out, _ = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"hvddprun still ran 30 s after SIGTERM:\n{proc.communicate()[0]}")
+        out = _output_after(proc, "SIGTERM")
         assert time.monotonic() - start < 10, out
         runs = {p.name: p.read_text().count("got") for p in tmp_path.iterdir()}
         assert runs == {"0": 1, "1": 1}, (runs, out)
@@ -529,11 +535,7 @@ def test_sigusr1_to_hvddprun_reaches_the_ranks_handler_and_the_job_goes_on(tmp_p
     SIGUSR1 for the job being stopped, and reported nothing)."""
     import signal
 
-    script = ("import os, signal, time, hvddp; got = []\n"
-              "def handler(*a):\n"
-              "    got.append(1)\n"
-              f"    with open(os.path.join({str(tmp_path)!r}, str(hvddp.rank())), 'a') as f: f.write('got\\n')\n"
-              "signal.signal(signal.SIGUSR1, handler); hvddp.init(); print('rank-is-up', flush=True)\n"
+    script = (_noting_handler(tmp_path, "SIGUSR1") + "hvddp.init(); print('rank-is-up', flush=True)\n"
               "end = time.time() + 60\n"
               "while time.time() < end and not got: time.sleep(0.05)\n"
               "hvddp.barrier(); time.sleep(1)\n"
@@ -541,19 +543,9 @@ def test_sigusr1_to_hvddprun_reaches_the_ranks_handler_and_the_job_goes_on(tmp_p
               "hvddp.barrier()")
     proc = _start_hvddprun(script)
     try:
-        up, seen = 0, ""
-        while up < 2:
-            line = proc.stdout.readline()
-            assert line, f"hvddprun ended before the ranks were up:\n{seen}"
-            seen += line
-            up += line.count("rank-is-up")
+        seen = _until_ranks_up(proc)
         proc.send_signal(signal.SIGUSR1)
-        try:
-            out, _ = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"hvddprun still ran 30 s after SIGUSR1:\n{seen}{proc.communicate()[0]}")
-        out = seen + out
+        out = _output_after(proc, "SIGUSR1", seen)
         runs = {p.name: p.read_text().count("got") for p in tmp_path.iterdir()}
         assert runs == {"0": 1, "1": 1}, (runs, out)
         assert proc.returncode == 3, out  # the job's own code: hvddprun did not stop it

@@ -54,14 +54,14 @@ def sparse_rows_async(grad: Optional[torch.Tensor], param: torch.Tensor, name: s
                       values.reshape(nnz, math.prod(dense)).view(torch.uint8).reshape(nnz, value_bytes)],
                      dim=1)
     core = hvddp.allgather_async(as_numpy(rows), name, process_set)
-    ranks = _ranks(process_set)
+    ranks = process_set.ranks  # (registered: the world's ranks for the global set), in gathered order
 
     def finish(results):
         gathered = as_tensor(results[0], rows)
         total = gathered.shape[0]
         all_indices = _fresh(gathered[:, :sparse_dim * 8]).view(torch.int64)
         all_values = _fresh(gathered[:, sparse_dim * 8:]).view(values.dtype).reshape((total,) + dense)
-        all_indices, all_values = without_shape_rows(all_indices, all_values, param.shape, op, ranks,
+        all_indices, all_values = without_shape_rows(all_indices, all_values, param.shape, ranks,
                                                      f"the sparse gradient {name!r}")
         if op == Average:
             all_values = all_values / len(ranks)
@@ -69,11 +69,6 @@ def sparse_rows_async(grad: Optional[torch.Tensor], param: torch.Tensor, name: s
         return out.to(param.device)  # staged through host memory; the gradient lives with the parameter
 
     return Handle(name, [core], finish)
-
-
-def _ranks(process_set: ProcessSet) -> list:
-    """The set's world ranks, in the order an allgather over it concatenates."""
-    return list(range(process_set.size())) if process_set.ranks is None else list(process_set.ranks)
 
 
 def with_shape_row(indices: torch.Tensor, values: torch.Tensor, shape: torch.Size, op: ReduceOp):
@@ -90,8 +85,8 @@ def with_shape_row(indices: torch.Tensor, values: torch.Tensor, shape: torch.Siz
     return torch.cat([row, indices]), torch.cat([zeros, values])
 
 
-def without_shape_rows(indices: torch.Tensor, values: torch.Tensor, shape: torch.Size, op: ReduceOp,
-                       ranks: list, what: str):
+def without_shape_rows(indices: torch.Tensor, values: torch.Tensor, shape: torch.Size, ranks: list,
+                       what: str):
     """Every rank's entries gathered with ``with_shape_row`` over the set of ``ranks``, the shape
     rows taken out; a ``MismatchError`` (on every rank: each finds fewer rows of its own shape
     than ranks, or an entry past it; or shape rows whose op codes differ) when the ranks' shapes

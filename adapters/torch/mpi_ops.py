@@ -39,7 +39,7 @@ from hvddp._grouping import check_compression
 from hvddp.ops import Refusal, announce_refusal
 
 from ._convert import Handle, TensorArgumentError, as_tensor, check_tensor, source, target
-from ._sparse import _ranks, with_shape_row, without_shape_rows
+from ._sparse import with_shape_row, without_shape_rows
 from .compression import Compression, Compressor, native
 
 __all__ = [
@@ -363,12 +363,12 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: ReduceOp = Avera
         raise
     h_values = hvddp.allgather_async(source(values), f"{name}.values", process_set)
     h_indices = hvddp.allgather_async(source(indices), f"{name}.indices", process_set)
-    ranks = _ranks(process_set)
+    ranks = process_set.ranks  # (registered: the world's ranks for the global set), in gathered order
 
     def finish(results):
         values_all = as_tensor(results[0], tensor)
         indices_all = as_tensor(results[1], tensor)
-        indices_all, values_all = without_shape_rows(indices_all, values_all, tensor.shape, op, ranks,
+        indices_all, values_all = without_shape_rows(indices_all, values_all, tensor.shape, ranks,
                                                      f"sparse_allreduce_async {name!r}")
         if op == Average:
             values_all = values_all / len(ranks)
