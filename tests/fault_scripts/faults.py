@@ -111,6 +111,11 @@ try:
     for step in range(8):
         if rank == 1 and step == 3:
             say(f"rank 1: misbehaving ({mode}) at step {step}")
+            if mode in ("sigkill", "sigkill_forked", "exit0", "exit3"):
+                # rank 0's engine writes its timeline at the end of each cycle: let the cycle that
+                # finished step 2 end before the launcher kills rank 0 (a test reads that timeline;
+                # dying at once, rank 1 sometimes beat it: a CI run saw no step 2 there)
+                time.sleep(0.5)
             if mode in ("raise", "raise_raw"):
                 raise RuntimeError(f"boom on rank 1 at step {step}")
             if mode in ("sigkill", "sigkill_forked"):
