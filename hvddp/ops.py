@@ -679,8 +679,9 @@ def _alltoall_splits(array, splits, view, name=None):
         if len(splits) != view.size or any(s < 0 for s in splits) or sum(splits) > rows:
             raise ValueError(f"{fn}: splits must be {view.size} non-negative integers (one per rank of the "
                              f"set) summing to at most the first dimension ({rows}), got {splits!r}.")
-        if sum(splits) < rows:
-            array = array[:sum(splits)]
+        if sum(splits) < rows:  # (a device tensor's DeviceInput is a tuple: slice its array)
+            array = array._replace(array=array.array[:sum(splits)]) \
+                if isinstance(array, _device.DeviceInput) else array[:sum(splits)]
     return [array], {"splits": tuple(splits)}
 
 

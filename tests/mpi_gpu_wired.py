@@ -86,6 +86,11 @@ def main() -> int:
     assert list(splits) == [2] * size
     assert np.array_equal(np.asarray(a2a), np.concatenate(
         [np.arange(2 * rank, 2 * rank + 2, dtype=np.float32) + 10 * r for r in range(size)]))
+    # rows past sum(splits) are not sent (they failed with AttributeError on device arrays)
+    a2a, splits = hvddp.alltoall(dev(np.arange(3 * size, dtype=np.float32) + 10 * rank),
+                                 splits=[1] * size, name="wired.a2a.short")
+    assert list(splits) == [1] * size
+    assert np.array_equal(np.asarray(a2a), np.array([rank + 10 * r for r in range(size)], np.float32)), a2a
     rs = hvddp.reducescatter(dev(np.ones((2 * size + 1, 3), np.float32)), name="wired.rs", op=hvddp.Sum)
     assert np.asarray(rs).shape[1] == 3 and np.all(np.asarray(rs) == size)
 
