@@ -1174,6 +1174,17 @@ def test_a_tensor_refused_on_one_rank_fails_on_every_rank():
             with pytest.raises(Exception, match=rf"refused on rank\(s\) \[0\] \(ValueError: {fn}: ") as info:
                 call()
             assert isinstance(info.value, (hvd.MismatchError, tf.errors.OpError)), repr(info.value)
+    # one tensor where a grouped op takes a list: a 2-d one was taken as a group of its rows
+    rows = tf.ones([2, 2 * SIZE])
+    for fn in ("grouped_allreduce", "grouped_allgather", "grouped_reducescatter"):
+        call = getattr(hvd, fn)
+        if bad:
+            with pytest.raises(TypeError, match=rf"^{fn}: tensors must be a list or tuple of tensors, got one "
+                                                rf"EagerTensor of shape \[2, {2 * SIZE}\]"):
+                call(rows)
+        else:
+            with pytest.raises(Exception, match=rf"refused on rank\(s\) \[0\] \(TypeError: {fn}: "):
+                call([rows[0], rows[1]])
     np.testing.assert_allclose(hvd.allreduce(tf.constant([float(RANK)])).numpy(), [(SIZE - 1) / 2])
     np.testing.assert_allclose(hvd.grouped_allreduce([tf.constant([float(RANK)])])[0].numpy(), [(SIZE - 1) / 2])
     np.testing.assert_array_equal(hvd.allgather(tf.constant([RANK])).numpy(), np.arange(SIZE))

@@ -268,7 +268,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, de
     with _announcing(hvddp.grouped_allreduce, name, process_set, tensors):
         op = _grouping.check_op(op, average, "grouped_allreduce", adasum=True)
         _grouping.check_compression(compression, "grouped_allreduce")
-        tensors = [_dense(t, "grouped_allreduce") for t in tensors]
+        tensors = [_dense(t, "grouped_allreduce") for t in _tensor_list(tensors, "grouped_allreduce")]
         _check_adasum(op, tensors, process_set, "grouped_allreduce")
         pre, post = _scales(prescale_factor, postscale_factor, "grouped_allreduce")
     if not tensors:  # (an empty iterable)
@@ -286,6 +286,15 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, de
         return _grouped_raw(list(xs), name, labels, op, pre, post, compression, process_set), grad
 
     return list(_op(*tensors))
+
+
+def _tensor_list(tensors: Any, fn: str) -> Any:
+    """``tensors`` unless it is one tensor or array, which a grouped op would otherwise iterate:
+    a 2-d tensor became a group of its rows, each reduced on its own, with no error."""
+    if isinstance(tensors, (tf.Tensor, tf.Variable, tf.IndexedSlices, np.ndarray, np.generic)):
+        raise TypeError(f"{fn}: tensors must be a list or tuple of tensors, got one {type(tensors).__name__} "
+                        f"of shape {list(tensors.shape)}; pass [tensor] for a group of one.")
+    return tensors
 
 
 def _check_adasum(op: Any, tensors: Sequence[tf.Tensor], process_set: ProcessSet, fn: str) -> None:
@@ -675,7 +684,7 @@ def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None, ignore
         return []
     name = _name(name, "grouped_allgather", process_set)
     with _announcing(hvddp.grouped_allgather, name, process_set, tensors):
-        tensors = [_dense(t, "grouped_allgather") for t in tensors]
+        tensors = [_dense(t, "grouped_allgather") for t in _tensor_list(tensors, "grouped_allgather")]
         _check_group_inputs(tensors, "grouped_allgather")
     if not tensors:  # (an empty iterable)
         return []
@@ -725,7 +734,7 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compre
     with _announcing(hvddp.grouped_reducescatter, name, process_set, tensors):
         op = _grouping.check_op(op, None, "grouped_reducescatter")
         compression = numpy_side(_grouping.check_compression(compression, "grouped_reducescatter"))
-        tensors = [_dense(t, "grouped_reducescatter") for t in tensors]
+        tensors = [_dense(t, "grouped_reducescatter") for t in _tensor_list(tensors, "grouped_reducescatter")]
         _check_group_inputs(tensors, "grouped_reducescatter")
         pre, post = _scales(prescale_factor, postscale_factor, "grouped_reducescatter")
     if not tensors:  # (an empty iterable)
