@@ -289,6 +289,10 @@ def test_broadcast_callback_equalises_replicas():
     for got, want in zip(model.get_weights(), root_initial):  # learning rate 0: still rank 0's
         np.testing.assert_array_equal(got, want)
     assert_replicas_identical(model.get_weights(), "bcast")
+    # Keras 2's opt.variables(), which Horovod's wrapper keeps working, as well as the property
+    opt = model.optimizer
+    assert [id(v) for v in opt.variables()] == [id(v) for v in opt.variables] != []
+    hvd.broadcast_variables(opt.variables(), root_rank=0)
 
 
 def test_broadcast_variables_leaves_dropout_rng_states_per_rank():

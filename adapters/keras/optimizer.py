@@ -36,11 +36,25 @@ def _default_settings() -> Dict[str, Any]:
             "sparse_as_dense": False}
 
 
+class _CallableList(list):
+    """A list that gives itself back when called, so ``opt.variables()`` (Keras 2's method) and
+    ``opt.variables`` (Keras 3's property) both work on the wrapper, as on Horovod's."""
+
+    def __call__(self) -> "_CallableList":
+        return self
+
+
 class _DistributedOptimizerMixin:
     """Averages gradients across ranks in ``apply``/``stateless_apply``; everything else is the
     wrapped class's. Settings live in ``self._hvddp`` (a plain dict, not tracked by Keras)."""
 
     _hvddp: Optional[Dict[str, Any]] = None
+
+    @property
+    def variables(self):
+        """The wrapped class's ``variables``, also callable: Horovod 0.28.1's wrapper kept Keras 2
+        scripts' ``hvd.broadcast_variables(opt.variables(), root_rank=0)`` working."""
+        return _CallableList(super().variables)
 
     def _hvddp_settings(self) -> Dict[str, Any]:
         settings = self.__dict__.get("_hvddp")
