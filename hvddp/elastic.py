@@ -19,6 +19,7 @@ import copy
 import functools
 from typing import Any, Callable, List
 
+from .exceptions import MismatchError
 from .ops import _dumps, allgather_object, broadcast_object
 from .runtime import rank
 
@@ -114,7 +115,8 @@ class ObjectState(State):
     ``state_dict()`` into it, as models and optimizers sync their current values (a rank that
     holds no such object there gets a copy of rank 0's; rank 0, if it replaced its object since
     the commit, gets the committed one back, as a restore). A value rank 0 cannot pickle (a lock)
-    fails the sync with a ``TypeError`` naming its attribute, on every rank.
+    fails the sync with a ``TypeError`` naming its attribute, on every rank; so do attributes that
+    are not rank 0's (a ``MismatchError`` naming them).
     """
 
     def __init__(self, bcast_object: Callable = broadcast_object, get_rank: Callable = rank,
@@ -136,12 +138,15 @@ class ObjectState(State):
                 setattr(self, name, _copy(saved))  # later changes must not reach the commit
 
     def sync(self) -> None:
-        if not self._saved_state:
-            return
         names = list(self._saved_state)
         # which ranks hold an object kept in place under each name: a rank without one (None
-        # until rank 0 evaluates, say) where rank 0 has one is sent a copy of rank 0's object
-        held = allgather_object([_stateful(getattr(self, name)) for name in names])
+        # until rank 0 evaluates, say) where rank 0 has one is sent a copy of rank 0's object;
+        # and the names, which must be rank 0's (else a rank kept its own value of an attribute
+        # rank 0 lacks, silently, or one with no attributes returned and left the rest waiting)
+        rows = allgather_object((names, [_stateful(getattr(self, name)) for name in names]))
+        _check_same_attributes([[(name, None) for name in sorted(row[0])] for row in rows],
+                              f"{type(self).__name__}.sync")
+        held = [row[1] for row in rows]
         root = self._rank() == 0
         outgoing = {}
         for i, name in enumerate(names if root else ()):
@@ -173,6 +178,36 @@ class ObjectState(State):
             else:
                 self._saved_state[name] = value
                 setattr(self, name, _copy(value))
+
+
+def _check_same_attributes(rows: List[list], what: str) -> None:
+    """Raise ``MismatchError`` (on every rank: ``rows`` is every rank's, from an allgather) unless
+    each rank's ``[(name, kind), ...]`` is rank 0's: the state's attributes, in order, and the kind
+    of each (``None`` where any kind will do)."""
+    differ = []
+    for r, row in enumerate(rows[1:], 1):
+        if row == rows[0]:
+            continue
+        root, mine = dict(rows[0]), dict(row)
+        parts = []
+        missing = [name for name in root if name not in mine]
+        extra = [name for name in mine if name not in root]
+        kinds = [f"{name!r} is {mine[name]} there, {root[name]} on rank 0" for name in root
+                 if name in mine and mine[name] != root[name]]
+        if missing:
+            parts.append(f"lacks {', '.join(map(repr, missing))}")
+        if extra:
+            parts.append(f"has {', '.join(map(repr, extra))}, which rank 0 lacks")
+        parts += kinds
+        if not parts:
+            parts.append(f"has them in another order: {[name for name, _ in row]}, rank 0 "
+                         f"{[name for name, _ in rows[0]]}")
+        differ.append(f"rank {r} {' and '.join(parts)}")
+    if differ:
+        raise MismatchError(f"{what}: the ranks' states differ from rank 0's: {'; '.join(differ)}. "
+                            f"Every rank must build the state with the same attributes (the same "
+                            f"keyword arguments, in the same order, each of the same kind), since a "
+                            f"sync gives every rank rank 0's value of each.")
 
 
 class _Unsendable:

@@ -306,3 +306,35 @@ def test_sync_of_a_value_that_cannot_be_pickled_names_it_on_every_rank():
     del state.guard, state._saved_state["guard"]  # without it the state syncs
     state.sync()
     assert state.epoch == 0 and state.best == [1.0]
+
+
+def test_states_built_with_other_attributes_on_some_rank_fail_the_sync_on_every_rank():
+    """A model, sampler or optimizer on some ranks only (or under another name) made the handlers'
+    collectives differ, and the ranks waited on each other for ever; a plain attribute that rank 0
+    lacked kept each rank's own value silently; an ObjectState with no attributes returned at once
+    while the others waited."""
+    if SIZE < 2:
+        pytest.skip("needs two ranks")
+    model, optimizer = _model_and_optimizer(seed=0)
+    cases = [
+        (dict(epoch=0, **({"ema": torch.nn.Linear(3, 2)} if RANK == 1 else {})),
+         r"rank 1 has 'ema', which rank 0 lacks"),
+        (dict(sampler=hvd.elastic.ElasticSampler(list(range(4))) if RANK == 0 else None),
+         r"rank 1 'sampler' is a plain value there, handled by SamplerStateHandler on rank 0"),
+        (dict(extra=3) if RANK == 1 else {}, r"rank 1 has 'extra', which rank 0 lacks"),
+        (dict(zip(("ema", "best") if RANK == 0 else ("best", "ema"), (torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)))),
+         r"rank 1 has them in another order: \['best', 'ema', 'model', 'optimizer'\]"),
+    ]
+    for kwargs, message in cases:
+        state = hvd.elastic.TorchState(model, optimizer, **kwargs)
+        with pytest.raises(hvd.MismatchError, match=r"TorchState.sync: the ranks' states differ from rank 0's: "
+                                                     + message):
+            state.sync()
+    state = hvd.elastic.ObjectState(**({"epoch": 1} if RANK == 0 else {"epochs": 1}))
+    with pytest.raises(hvd.MismatchError, match=r"ObjectState.sync: .*rank 1 lacks 'epoch' and has 'epochs'"):
+        state.sync()
+    hvd.elastic.ObjectState(**({"epoch": 1, "batch": 2} if RANK == 0 else {"batch": 2, "epoch": 1})).sync()  # any order
+    state = hvd.elastic.ObjectState(**({"epoch": 1} if RANK == 0 else {}))
+    with pytest.raises(hvd.MismatchError, match=r"rank 1 lacks 'epoch'"):
+        state.sync()
+    assert hvd.allreduce(torch.ones(1), name="elastic.after_mismatch").item() == 1.0  # nothing left pending

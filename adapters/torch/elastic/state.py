@@ -11,7 +11,7 @@ import torch
 
 import hvddp
 from hvddp import rank
-from hvddp.elastic import ObjectState
+from hvddp.elastic import ObjectState, _check_same_attributes
 
 from ..functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .sampler import ElasticSampler
@@ -165,6 +165,12 @@ class TorchState(ObjectState):
         super().restore()
 
     def sync(self) -> None:
+        # the handlers sync with collectives of their own, in order: ranks whose states hold other
+        # objects (a model on one rank only, a sampler under another name) waited on each other
+        # for ever; raise on every rank instead
+        layout = [(name, f"handled by {type(handler).__name__}") for name, handler in self._handlers.items()]
+        layout += [(name, "a plain value") for name in sorted(self._saved_state)]  # (in any order)
+        _check_same_attributes(hvddp.allgather_object(layout, "TorchState.sync.check"), "TorchState.sync")
         for handler in self._handlers.values():
             handler.sync()
             handler.save()  # a restore before the next commit returns to rank 0's, on every rank
