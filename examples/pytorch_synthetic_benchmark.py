@@ -35,6 +35,9 @@ parser.add_argument("--num-iters", type=int, default=5, help="number of benchmar
 parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
 parser.add_argument("--no-cuda", action="store_true", default=False,
                     help="train on the CPU even where CUDA is available")
+parser.add_argument("--use-adasum", action="store_true", default=False,
+                    help="use adasum algorithm to do reduction (CPU parameters only in hvddp: with CUDA "
+                         "add --no-cuda; a power-of-two number of ranks)")
 
 
 def build_model(name: str):
@@ -69,10 +72,15 @@ def main() -> None:
 
     model, shape, classes = build_model(args.model)
     model.to(device)
-    optimizer = optim.SGD(model.parameters(), lr=0.01 * hvd.size())
+    # as in Horovod's script: Adasum needs no learning rate scaled by the number of ranks
+    lr_scaler = hvd.size() if not args.use_adasum else 1
+    if cuda and args.use_adasum and hvd.nccl_built():
+        lr_scaler = hvd.local_size()
+    optimizer = optim.SGD(model.parameters(), lr=0.01 * lr_scaler)
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                         compression=compression)
+                                         compression=compression,
+                                         op=hvd.Adasum if args.use_adasum else hvd.Average)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 

@@ -100,10 +100,12 @@ def test_example_pytorch_digits(tmp_path):
     assert "epoch 13 " not in done.stdout and final and float(final[-1]) >= 95.0, done.stdout
 
 
-def test_synthetic_benchmark_example_runs():
+@pytest.mark.parametrize("flags", [[], ["--use-adasum", "--fp16-allreduce"]], ids=["average", "adasum"])
+def test_synthetic_benchmark_example_runs(flags):
+    """Horovod's pytorch_synthetic_benchmark.py flags, --use-adasum included (it was refused)."""
     result = run(2, ["examples/pytorch_synthetic_benchmark.py", "--model", "convnet", "--num-iters", "2",
-                     "--num-batches-per-iter", "2", "--num-warmup-batches", "1", "--batch-size", "8", "--no-cuda"],
-                 timeout=180)
+                     "--num-batches-per-iter", "2", "--num-warmup-batches", "1", "--batch-size", "8", "--no-cuda"]
+                 + flags, timeout=180)
     assert re.search(r"Total img/sec on 2 CPU\(s\): [0-9.]+", result.stdout), result.stdout
 
 
