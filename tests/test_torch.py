@@ -118,3 +118,15 @@ def test_gpu_training_benchmark_script_runs_on_the_cpu():
     assert [r[0] for r in rows] == ["torch", "DDP", "hvddp"], out
     assert all(float(r[1]) > 0 for r in rows), out
     assert [r[2].strip() for r in rows[1:]] == ["0.0e+00", "0.0e+00"], out
+
+
+@pytest.mark.parametrize("flags, message", [(["--steps", "0"], "--steps must be >= 1, got 0."),
+                                            (["--warmup", "-1"], "--warmup must be >= 0, got -1."),
+                                            (["--repeats", "0"], "--repeats must be >= 1, got 0."),
+                                            (["--np", "0"], "--np must be >= 1, got 0.")])
+def test_training_benchmark_refuses_bad_counts(flags, message):
+    """benchmarks/train_torch.py names a bad count before it launches anything (it raised
+    UnboundLocalError or KeyError after the runs, or ran --np 0 as one rank)."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "train_torch.py")] + flags,
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
