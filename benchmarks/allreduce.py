@@ -109,6 +109,9 @@ def main():
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
+    for flag, least in (("rounds", 1), ("warmup", 0)):
+        if getattr(args, flag) < least:
+            parser.error(f"--{flag} must be >= {least}, got {getattr(args, flag)}.")
     comm = MPI.COMM_WORLD.Dup()
     rank, size = comm.Get_rank(), comm.Get_size()
     try:  # before init(): hvddp's engine thread inherits the affinity it is started with

@@ -33,6 +33,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     args = parser.parse_args()
+    for flag, least in (("rounds", 1), ("warmup", 0)):
+        if getattr(args, flag) < least:
+            parser.error(f"--{flag} must be >= {least}, got {getattr(args, flag)}.")
     comm = MPI.COMM_WORLD.Dup()
     rank, size = comm.Get_rank(), comm.Get_size()
     try:
@@ -42,7 +45,8 @@ def main() -> None:
     cma = CrossMemory.probe(comm)
     if cma is None:
         if rank == 0:
-            print("cross-memory attach is not available here (or the ranks are not on one node)")
+            print("a single-copy reduction needs 2 or more ranks" if size < 2 else
+                  "cross-memory attach is not available here (or the ranks are not on one node)")
         return
     scale = 1.0 / size
     ways = {

@@ -356,3 +356,15 @@ def test_allreduce_benchmark_runs_and_checks_its_results():
     rows = re.findall(r"^\s+(raw per-array|raw hand-fused|contiguous|hvddp in place|hvddp|raw out of place)"
                       r"\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+x$", out, flags=re.M)
     assert len(rows) == 18, out
+
+
+@pytest.mark.parametrize("script, flags, message", [
+    ("allreduce.py", ["--rounds", "0"], "--rounds must be >= 1, got 0."),
+    ("allreduce.py", ["--warmup", "-1"], "--warmup must be >= 0, got -1."),
+    ("cma_sizes.py", ["--rounds", "0"], "--rounds must be >= 1, got 0.")])
+def test_benchmarks_refuse_bad_counts(script, flags, message):
+    """A count that leaves nothing to time is named at once (the table came out as nan, with
+    numpy's RuntimeWarnings, after the whole run)."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script)] + flags, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
