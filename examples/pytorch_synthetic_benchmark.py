@@ -36,8 +36,9 @@ parser.add_argument("--threads", type=int, default=1, help="torch threads per ra
 parser.add_argument("--no-cuda", action="store_true", default=False,
                     help="train on the CPU even where CUDA is available")
 parser.add_argument("--use-adasum", action="store_true", default=False,
-                    help="use adasum algorithm to do reduction (CPU parameters only in hvddp: with CUDA "
-                         "add --no-cuda; a power-of-two number of ranks)")
+                    help="reduce gradients with Adasum instead of averaging them (a power-of-two "
+                         "number of ranks; hvddp.torch's Adasum optimizer takes CPU parameters only, so "
+                         "add --no-cuda on a GPU machine)")
 
 
 def build_model(name: str):
@@ -72,11 +73,9 @@ def main() -> None:
 
     model, shape, classes = build_model(args.model)
     model.to(device)
-    # as in Horovod's script: Adasum needs no learning rate scaled by the number of ranks
-    lr_scaler = hvd.size() if not args.use_adasum else 1
-    if cuda and args.use_adasum and hvd.nccl_built():
-        lr_scaler = hvd.local_size()
-    optimizer = optim.SGD(model.parameters(), lr=0.01 * lr_scaler)
+    # Average sums the ranks' batches into one larger batch, so its learning rate grows with the
+    # number of ranks; Adasum combines the ranks' updates and keeps one rank's learning rate
+    optimizer = optim.SGD(model.parameters(), lr=0.01 * (1 if args.use_adasum else hvd.size()))
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                          compression=compression,
