@@ -78,6 +78,9 @@ def main() -> int:
     assert np.array_equal(np.asarray(g[1]), np.full(2, size, np.int64))
     b = hvddp.broadcast(dev(np.arange(5, dtype=np.int32) * (rank + 1)), root_rank=size - 1, name="wired.bc")
     assert np.array_equal(np.asarray(b), np.arange(5, dtype=np.int32) * size)
+    # a 0-d tensor (BatchNorm's num_batches_tracked): the staging path failed on every rank
+    b0 = hvddp.broadcast(dev(np.array(7.0 + rank, np.float32)), root_rank=size - 1, name="wired.bc0")
+    assert np.asarray(b0).shape == () and float(np.asarray(b0)) == 6.0 + size, b0
     ag = hvddp.allgather(dev(np.full((rank + 1, 2), rank, np.float64)), name="wired.ag")
     assert np.array_equal(np.asarray(ag), np.concatenate([np.full((r + 1, 2), r, np.float64)
                                                           for r in range(size)]))

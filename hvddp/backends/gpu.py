@@ -489,12 +489,9 @@ class GpuExecutor:
         splits = None
         if request.kind is Kind.ALLTOALL:
             result, splits = result
-        if entry.output is not None:
-            out = entry.output
-            out.set(_bits(np.ascontiguousarray(result).reshape(out.shape)), stream=stream)
-        else:
-            out = self._empty(result.shape, request.dtype)
-            out.set(_bits(np.ascontiguousarray(result)), stream=stream)
+        out = entry.output if entry.output is not None else self._empty(result.shape, request.dtype)
+        # (reshaped: np.ascontiguousarray makes a 0-d result 1-d, which CuPy's set refuses)
+        out.set(_bits(np.ascontiguousarray(result).reshape(out.shape)), stream=stream)
         if entry.writeback is not None:
             with stream:
                 entry.writeback[...] = out.reshape(entry.writeback.shape)
