@@ -71,6 +71,28 @@ def main() -> int:
     assert np.array_equal(np.asarray(base)[:, ::2], np.full((4, 3), sum(range(1, size + 1)), np.float32))
     assert np.array_equal(np.asarray(base)[:, 1::2], np.full((4, 3), rank + 1, np.float32))
 
+    # one buffer reduced in place and read by another allreduce (or by one before an in-place
+    # broadcast_) in the same cycle: each reduces the values submitted, as on the CPU path (the
+    # later batch read what the earlier one had written)
+    for where in ("dev", "cpu"):
+        x = np.arange(4, dtype=np.float32) + 10 * rank
+        t = dev(x) if where == "dev" else x
+        h1 = hvddp.allreduce_async_(t, op=hvddp.Sum, name=f"wired.alias.sum.{where}")
+        h2 = hvddp.allreduce_async(t[1:], op=hvddp.Max, name=f"wired.alias.max.{where}")
+        h1.wait()
+        assert np.array_equal(np.asarray(h2.wait()), np.arange(1, 4, dtype=np.float32) + 10 * (size - 1)), where
+        assert np.array_equal(np.asarray(t), sum(np.arange(4, dtype=np.float32) + 10 * r for r in range(size)))
+        c = dev(np.arange(6, dtype=np.float32) + rank) if where == "dev" else np.arange(6, dtype=np.float32) + rank
+        h1 = hvddp.allreduce_async_(c[::2], op=hvddp.Sum, name=f"wired.alias.strided.{where}")  # written back
+        h2 = hvddp.allreduce_async(c, op=hvddp.Max, name=f"wired.alias.whole.{where}")
+        assert np.array_equal(np.asarray(h2.wait()), np.arange(6, dtype=np.float32) + size - 1), where
+        h1.wait()
+        y = dev(np.full(3, rank + 1.0, np.float32)) if where == "dev" else np.full(3, rank + 1.0, np.float32)
+        h1 = hvddp.allreduce_async(y, op=hvddp.Sum, name=f"wired.alias.a.{where}")
+        h2 = hvddp.broadcast_async_(y, root_rank=0, name=f"wired.alias.b.{where}")
+        assert np.array_equal(np.asarray(h1.wait()), np.full(3, size * (size + 1) / 2, np.float32)), where
+        h2.wait()
+
     # grouped allreduce, broadcast, allgather (uneven), alltoall, reducescatter
     g = hvddp.grouped_allreduce([dev(np.ones(3, np.float32) * rank), dev(np.ones(2, np.int64))],
                                 name="wired.group", op=hvddp.Sum)

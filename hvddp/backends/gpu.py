@@ -219,6 +219,39 @@ class GpuExecutor:
                 seen.add(id(event))
                 stream.wait_event(event)
 
+    def keep_inputs(self, entries, written) -> None:
+        """Give a private copy to the input of every device allreduce agreed before an in-place
+        collective that writes ``written``: that one runs now and the allreduces after it, so
+        they would reduce what it wrote (the device twin of ``executor._keep_inputs``)."""
+        lo, hi = _bounds(written)
+        for entry in entries:
+            start, end = _bounds(entry.input)
+            if start < hi and lo < end:
+                self._private_input(entry)
+
+    def unalias(self, entries) -> None:
+        """Give a private copy to every device allreduce input that another entry's in-place
+        result overwrites: batches run one after another, so it would be read after it changed
+        (one array reduced in place and also out of place, or two overlapping views; the device
+        twin of ``executor._unalias``). Local only: what this rank reads changes, not its calls."""
+        writes = [(i, _bounds(e.writeback if e.writeback is not None else e.output))
+                  for i, e in enumerate(entries) if e.output is not None]
+        for i, entry in enumerate(entries):
+            start, end = _bounds(entry.input)
+            if any(j != i and lo < end and start < hi for j, (lo, hi) in writes):
+                self._private_input(entry)
+
+    def _private_input(self, entry) -> None:
+        """Copy ``entry.input`` on hvddp's stream, after its producer: the batches that read it
+        later run on the same stream."""
+        device_id = entry.input.device.id
+        with self.cupy.cuda.Device(device_id):
+            stream = self.stream(device_id)
+            if entry.ready is not None:
+                stream.wait_event(entry.ready)
+            with stream:
+                entry.input = entry.input.copy()  # the output stays where the caller wants it
+
     def _device_of(self, entry, ps_id: int) -> int:
         """The device of ``entry``'s input; for a rank that has joined (no entry), the device its
         last entry on that process set was on: the engine thread's current device is device 0,
@@ -507,6 +540,19 @@ class _HostEntry:
     def __init__(self, input_: np.ndarray, output: Optional[np.ndarray]) -> None:
         self.input = input_
         self.output = output
+
+
+def _bounds(array) -> Tuple[int, int]:
+    """The device addresses ``[start, end)`` that ``array``'s elements span (empty: start == end)."""
+    start = end = array.data.ptr
+    if array.size == 0:
+        return start, end
+    for n, stride in zip(array.shape, array.strides):
+        if stride < 0:
+            start += (n - 1) * stride
+        else:
+            end += (n - 1) * stride
+    return start, end + array.itemsize
 
 
 def _to_host(array, dtype: str, stream) -> np.ndarray:

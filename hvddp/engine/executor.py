@@ -94,6 +94,13 @@ class Executor:
                                    timeline=self.timeline)
         return self.gpu
 
+    def _gpu_or_none(self):
+        """The GpuExecutor, or None where it cannot be made (its batches then fail, named)."""
+        try:
+            return self._gpu()
+        except Exception:
+            return None
+
     def _cross_memory(self, ps_id: int, nbytes: int):
         """The single-copy path for ``nbytes`` on ``ps``, or None (then MPI reduces).
 
@@ -138,13 +145,17 @@ class Executor:
         batches: Dict[tuple, list] = {}
         threshold = self.config.fusion_threshold_bytes
         cpu_entries = []  # this rank's CPU allreduces, checked for shared memory below
-        inplace = False  # one of them writes into its input
+        dev_entries = []  # and its device ones, checked the same way on the GPU executor
+        inplace = dev_inplace = False  # one of them writes into its input
         for item in items:
             request = item[0]
             if request.kind is not Kind.ALLREDUCE:
-                if cpu_entries and request.device == "cpu" and item[1] is not None and item[1].output is not None:
+                if item[1] is not None and item[1].output is not None:
                     written = item[1].writeback if item[1].writeback is not None else item[1].output
-                    _keep_inputs(cpu_entries, written)  # an in-place broadcast runs before them
+                    if cpu_entries and request.device == "cpu":
+                        _keep_inputs(cpu_entries, written)  # an in-place broadcast runs before them
+                    elif dev_entries and request.device != "cpu":
+                        self.gpu.keep_inputs(dev_entries, written)
                 if request.device == "cpu" or request.kind in (Kind.BARRIER, Kind.JOIN):
                     self._run_one(*item)
                 else:
@@ -154,6 +165,9 @@ class Executor:
             if entry is not None and request.device == "cpu":
                 cpu_entries.append(entry)
                 inplace = inplace or entry.output is entry.input
+            elif entry is not None and self._gpu_or_none() is not None:
+                dev_entries.append(entry)
+                dev_inplace = dev_inplace or entry.output is not None
             _, _, nbytes, key = _meta(request)
             groups = batches.get(key)
             if groups is None:
@@ -161,6 +175,8 @@ class Executor:
             _fuse(groups, item, nbytes, threshold)
         if inplace and len(cpu_entries) > 1:
             _unalias(cpu_entries)
+        if dev_inplace and len(dev_entries) > 1:
+            self.gpu.unalias(dev_entries)
         for key, groups in batches.items():
             if key[5] == "cpu" and key[1] != ReduceOp.ADASUM:
                 cma = self._cross_memory(key[0], sum(g[0] for g in groups))
