@@ -98,6 +98,65 @@ def out_of_memory_on_one_rank() -> int:
     return 0
 
 
+def outputs_ordered_after_the_default_stream() -> int:
+    """Every device output is allocated on the legacy default stream's pool, where memory a user
+    freed may still be read by work queued there: hvddp's stream must wait for that stream after
+    the allocation and before writing the output. The staging path allocated broadcast/allgather/
+    alltoall/reducescatter outputs after its wait (and after MPI, while the user's thread queues
+    more work), so its host-to-device copy could overwrite memory still in use."""
+    import numpy as np
+
+    import hvddp
+    from hvddp.backends import gpu
+
+    log = []
+    empty = gpu.GpuExecutor._empty
+
+    def logged_empty(self, shape, dtype):
+        log.append("alloc")
+        return empty(self, shape, dtype)
+
+    record, wait, set_ = fake_cupy.Event.record, fake_cupy.Stream.wait_event, fake_cupy.ndarray.set
+
+    def logged_record(self, stream=None):
+        self.on_null = stream is fake_cupy.Stream.null
+        return record(self, stream)
+
+    def logged_wait(self, event):
+        if getattr(event, "on_null", False):
+            log.append("wait")
+        return wait(self, event)
+
+    def logged_set(self, arr, stream=None):
+        log.append("write")
+        return set_(self, arr, stream)
+
+    gpu.GpuExecutor._empty = logged_empty
+    fake_cupy.Event.record = logged_record
+    fake_cupy.Stream.wait_event = logged_wait
+    fake_cupy.ndarray.set = logged_set
+    hvddp.init()
+    rank, size = hvddp.rank(), hvddp.size()
+    x = fake_cupy.asarray(np.arange(2 * size, dtype=np.float32) + rank)
+    hvddp.broadcast(x, root_rank=0, name="order.bc")
+    hvddp.allgather(x, name="order.ag")
+    hvddp.alltoall(x, name="order.a2a")
+    hvddp.reducescatter(x, name="order.rs", op=hvddp.Sum)
+    pending = False  # an output allocated and not yet ordered after the default stream
+    for what in log:
+        if what == "alloc":
+            pending = True
+        elif what == "wait":
+            pending = False
+        elif what == "write" and pending:
+            raise AssertionError(f"an output was written before hvddp's stream waited for the default "
+                                 f"stream after allocating it: {log}")
+    print(f"rank {rank}: outputs ordered ({log.count('alloc')} allocations)", flush=True)
+    hvddp.shutdown()
+    return 0
+
+
 if __name__ == "__main__":
-    modes = {"join-own-device": join_on_own_device, "out-of-memory": out_of_memory_on_one_rank}
+    modes = {"join-own-device": join_on_own_device, "out-of-memory": out_of_memory_on_one_rank,
+             "output-order": outputs_ordered_after_the_default_stream}
     sys.exit(modes[sys.argv[1]]() if sys.argv[1:] else main())

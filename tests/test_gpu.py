@@ -480,6 +480,13 @@ def test_out_of_device_memory_on_one_rank_ends_the_job(kernel_library):
     assert "the allreduce returned" not in result.stdout and time.monotonic() - started < 45, result.stdout
 
 
+@pytest.mark.parametrize("path", ["NCCL", "MPI"])
+def test_device_outputs_are_ordered_after_the_default_stream(kernel_library, path):
+    result = mpirun.run(2, [os.path.join(mpirun.ROOT, "tests", "mpi_gpu_fake.py"), "output-order"],
+                        timeout=60, env={"HVDDP_FAKE_KERNELS": kernel_library, "HVDDP_GPU_OPERATIONS": path})
+    assert result.stdout.count("outputs ordered") == 2, result.stdout
+
+
 def test_gpu_check_script_runs_every_section_on_the_stand_in(kernel_library):
     """benchmarks/gpu_check.py end to end (two stand-in GPUs, so its NCCL np=2 part runs too)."""
     env = dict(os.environ, HVDDP_GPU_CHECK_FAKE_CUPY=kernel_library, FAKE_CUPY_DEVICES="2",

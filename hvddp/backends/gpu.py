@@ -207,11 +207,15 @@ class GpuExecutor:
         with self.cupy.cuda.Stream.null:
             return self.cupy.empty(shape, dtype=storage_dtype(dtype))
 
-    def _order_after_producers(self, entries, stream) -> None:
-        """Make ``stream`` wait for each input's producer event and for the default stream."""
+    def _after_default_stream(self, stream) -> None:
+        """Make ``stream`` wait for the work queued so far on the legacy default stream."""
         null_event = self.cupy.cuda.Event(block=True, disable_timing=True)
         null_event.record(self.cupy.cuda.Stream.null)
         stream.wait_event(null_event)
+
+    def _order_after_producers(self, entries, stream) -> None:
+        """Make ``stream`` wait for each input's producer event and for the default stream."""
+        self._after_default_stream(stream)
         seen = set()
         for entry in entries:
             event = getattr(entry, "ready", None) if entry is not None else None
@@ -522,7 +526,11 @@ class GpuExecutor:
         splits = None
         if request.kind is Kind.ALLTOALL:
             result, splits = result
-        out = entry.output if entry.output is not None else self._empty(result.shape, request.dtype)
+        if entry.output is not None:
+            out = entry.output
+        else:  # allocated after MPI: wait again for what the user queued meanwhile (module doc)
+            out = self._empty(result.shape, request.dtype)
+            self._after_default_stream(stream)
         # (reshaped: np.ascontiguousarray makes a 0-d result 1-d, which CuPy's set refuses)
         out.set(_bits(np.ascontiguousarray(result).reshape(out.shape)), stream=stream)
         if entry.writeback is not None:
