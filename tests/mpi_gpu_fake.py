@@ -156,7 +156,39 @@ def outputs_ordered_after_the_default_stream() -> int:
     return 0
 
 
+def pinned_memory_stays_bounded() -> int:
+    """Staged collectives of ever-new sizes (allgathers of growing length, allreduces of growing
+    batches) reuse the pinned staging buffers, grown at least twofold: CuPy's pinned pool keeps
+    every freed block by exact size, so one allocation per call (or per new size) made the pinned
+    host memory grow with each size staged."""
+    import numpy as np
+
+    import hvddp
+
+    calls = []
+    empty_pinned = sys.modules["cupyx"].empty_pinned
+
+    def counted(shape, dtype=np.float64, order="C"):
+        calls.append(int(np.prod(shape)))
+        return empty_pinned(shape, dtype=dtype, order=order)
+
+    sys.modules["cupyx"].empty_pinned = counted
+    hvddp.init()
+    rank = hvddp.rank()
+    for n in range(1, 201):
+        x = fake_cupy.asarray(np.full((n, 3), float(rank), np.float32))
+        got = np.asarray(hvddp.allgather(x, name=f"grow.ag.{n}"))
+        assert got.shape == (hvddp.size() * n, 3) and got[-1, 0] == hvddp.size() - 1
+        got = np.asarray(hvddp.allreduce(x, name=f"grow.ar.{n}", op=hvddp.Sum))
+        assert got[0, 0] == sum(range(hvddp.size()))
+    assert len(calls) <= 20, f"{len(calls)} pinned allocations for 400 staged collectives: {calls}"
+    print(f"rank {rank}: {len(calls)} pinned allocations", flush=True)
+    hvddp.shutdown()
+    return 0
+
+
 if __name__ == "__main__":
     modes = {"join-own-device": join_on_own_device, "out-of-memory": out_of_memory_on_one_rank,
-             "output-order": outputs_ordered_after_the_default_stream}
+             "output-order": outputs_ordered_after_the_default_stream,
+             "pinned-growth": pinned_memory_stays_bounded}
     sys.exit(modes[sys.argv[1]]() if sys.argv[1:] else main())

@@ -487,6 +487,12 @@ def test_device_outputs_are_ordered_after_the_default_stream(kernel_library, pat
     assert result.stdout.count("outputs ordered") == 2, result.stdout
 
 
+def test_staging_reuses_its_pinned_buffers(kernel_library):
+    result = mpirun.run(2, [os.path.join(mpirun.ROOT, "tests", "mpi_gpu_fake.py"), "pinned-growth"],
+                        timeout=60, env={"HVDDP_FAKE_KERNELS": kernel_library, "HVDDP_GPU_OPERATIONS": "MPI"})
+    assert result.stdout.count("pinned allocations") == 2, result.stdout
+
+
 def test_gpu_check_script_runs_every_section_on_the_stand_in(kernel_library):
     """benchmarks/gpu_check.py end to end (two stand-in GPUs, so its NCCL np=2 part runs too)."""
     env = dict(os.environ, HVDDP_GPU_CHECK_FAKE_CUPY=kernel_library, FAKE_CUPY_DEVICES="2",

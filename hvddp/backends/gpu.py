@@ -174,7 +174,7 @@ class GpuExecutor:
         self.pending = Completions()
         self._streams: Dict[int, Any] = {}
         self._fusion: Dict[Tuple[int, str], Any] = {}
-        self._pinned: Dict[str, np.ndarray] = {}
+        self._pinned: Dict[Tuple[int, str], np.ndarray] = {}
         self._last_device: Dict[int, int] = {}  # process set id -> the device its last entry was on
 
     # Resources ---------------------------------------------------------------------------
@@ -194,12 +194,22 @@ class GpuExecutor:
                 buf = self._fusion[key] = self.cupy.empty(max(count, 1), dtype=storage_dtype(wire))
         return buf
 
-    def _host_buffer(self, wire: str, count: int) -> np.ndarray:
-        buf = self._pinned.get(wire)
+    def _host_buffer(self, wire: str, count: int, device_id: int = 0) -> np.ndarray:
+        """``count`` elements of this device's pinned staging buffer for ``wire``.
+
+        Reused by every staged collective on the device: each first queues its device-to-host
+        copy on the device's stream and waits for it, so the previous one's host-to-device copy
+        has been read. It grows at least twofold: CuPy's pinned pool keeps every freed block, by
+        exact size, for ever, so growing to each new size (or allocating per call) made the
+        pinned host memory grow with every distinct size staged.
+        """
+        key = (device_id, storage_dtype(wire))
+        buf = self._pinned.get(key)
         if buf is None or buf.size < count:
             import cupyx
 
-            buf = self._pinned[wire] = cupyx.empty_pinned(max(count, 1), dtype=storage_dtype(wire))
+            size = max(count, 1) if buf is None else max(count, 2 * buf.size)
+            buf = self._pinned[key] = cupyx.empty_pinned(size, dtype=key[1])
         return buf[:count]
 
     def _empty(self, shape, dtype: str):
@@ -399,7 +409,7 @@ class GpuExecutor:
 
     def _staged_allreduce(self, ps, buf, wire: str, op: int, stream) -> None:
         """Device buffer -> pinned host -> MPI allreduce in place -> device, on ``stream``."""
-        host = self._host_buffer(wire, buf.size)
+        host = self._host_buffer(wire, buf.size, buf.device.id)
         buf.get(stream=stream, out=host)  # async into pinned memory
         stream.synchronize()
         self.mpi.allreduce_inplace(ps.comm, host, op, self.config.mpi_chunk_bytes)
@@ -413,7 +423,7 @@ class GpuExecutor:
         """
         from . import adasum
 
-        host = self._host_buffer(wire, buf.size)
+        host = self._host_buffer(wire, buf.size, buf.device.id)
         buf.get(stream=stream, out=host)
         stream.synchronize()
         values = host.view(bfloat16()) if wire == "bfloat16" else host  # (stored as uint16 bits)
@@ -516,7 +526,10 @@ class GpuExecutor:
             raise HvddpError("internal error: the staging path needs the CPU executor.")
         stream = self.stream(device_id)
         self._order_after_producers([entry], stream)
-        host_in = _to_host(entry.input, request.dtype, stream)
+        host_in = self._host_buffer(request.dtype, entry.input.size, device_id).reshape(entry.input.shape)
+        entry.input.get(stream=stream, out=host_in)
+        if request.dtype == "bfloat16":
+            host_in = host_in.view(bfloat16())
         host_out = None
         if entry.output is not None:
             host_out = host_in if entry.output is entry.input else _to_host(entry.output, request.dtype, stream)
