@@ -1272,6 +1272,29 @@ def test_a_gradient_changed_before_it_was_averaged_is_an_error_and_the_recipe_wo
     assert_replicas_identical(model, "clip.recipe")
 
 
+@pytest.mark.parametrize("how", ["in_place", "replaced"])
+def test_a_gradient_changed_on_one_rank_only_is_an_error_on_every_rank(how):
+    """A change on the last rank only (a rank-dependent fix-up of its gradients): before, that rank
+    alone raised and the others updated, so the replicas parted (or the job waited on the rank
+    that raised). Every rank refuses the update now, naming the parameter."""
+    model, ref, opt, ref_opt = _pair()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    x, y = batch(0)
+    shard_loss(model, x, y, R).backward()
+    if R == N - 1:
+        if how == "in_place":
+            model.fc2.weight.grad.mul_(0.5)
+        else:
+            model.fc2.weight.grad = model.fc2.weight.grad.clone()
+    if N > 1:
+        with pytest.raises(hvd.HvddpError, match=r"'fc2.weight' was modified in place or replaced"):
+            opt.step()
+    assert_replicas_identical(model, f"one.rank.changed.{how}")
+    opt.zero_grad()
+    train_step(model, ref, opt, ref_opt, 1)  # the next step trains as usual
+    assert_replicas_identical(model, f"one.rank.changed.{how}.after")
+
+
 @pytest.mark.parametrize("name", ["fp16", "bf16"])
 def test_a_compressed_copy_changed_before_it_was_averaged_is_an_error(name):
     """float64 gradients go out as compressed copies: with every gradient reduced through a

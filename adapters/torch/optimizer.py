@@ -104,8 +104,8 @@ def _split_list(items: list, n: int) -> List[list]:
 
 
 _MODIFIED_IN_FLIGHT = (
-    "the gradient of {name!r} was modified in place or replaced (e.g. by clip_grad_norm_) after backward() and "
-    "before it was averaged across ranks: the update would use the local gradient, or a mix of it "
+    "the gradient of {name!r} was modified in place or replaced (e.g. by clip_grad_norm_), on this "
+    "rank or another, after backward() and before it was averaged across ranks: the update would use the local gradient, or a mix of it "
     "and the average that differs between ranks. Call optimizer.synchronize() first, then modify "
     "the gradients, then call optimizer.step() inside `with optimizer.skip_synchronize():` "
     "(Horovod's recipe); a torch.amp.GradScaler does this itself in scaler.step(optimizer), "
@@ -138,13 +138,14 @@ class _Flight:
         # (name, parameter, gradient) reduced in the gradient's memory, with its version then
         self.watch = [(name, p, t, _version(t)) for name, p, t in watch]
 
+    def modified(self) -> List[torch.Tensor]:
+        """The parameters whose gradient was changed or replaced since it was submitted (looked
+        at before the wait: an in-place op of the adapter counts a version at its end)."""
+        return [p for name, p, t, version in self.watch
+                if p.grad is not t or (version is not None and t._version != version)]
+
     def finish(self, compression: Compressor) -> None:
-        # (looked at before the wait: an in-place op of the adapter counts a version at its end)
-        modified = [name for name, p, t, version in self.watch
-                    if p.grad is not t or (version is not None and t._version != version)]
         result = self.handle.wait()
-        if modified:
-            raise HvddpError(_MODIFIED_IN_FLIGHT.format(name=modified[0]))
         if self.items is None:
             return
         for (p, sent, ctx, sparse), out in zip(self.items, result if self.grouped else [result]):
@@ -469,8 +470,8 @@ class _DistributedOptimizer(WrapperCommon):
         self._hvddp_filled = set()  # (filled below; none left from a step an error cut short)
         if self._hvddp_frozen:
             self._hvddp_adopt_unfrozen()
-        modified = [self._hvddp_names[p] for p, (g, v) in self._hvddp_versions.items()
-                    if p.grad is not g or (v is not None and g._version != v)]
+        modified = {p for p, (g, v) in self._hvddp_versions.items()
+                    if p.grad is not g or (v is not None and g._version != v)}
         self._hvddp_versions.clear()
         # a parameter frozen since it was wrapped, without a gradient, is left alone as in one
         # process (zeros would still move it through momentum or weight decay); every rank froze it
@@ -497,12 +498,17 @@ class _DistributedOptimizer(WrapperCommon):
         # different settings no rank retries, and every rank raises.
         params, filled = self._hvddp_params, self._hvddp_filled
         n = len(params)
+        for flight in self._hvddp_flights:  # (before any wait: see _Flight.modified)
+            modified.update(flight.modified())
         # then a byte each: 1 where this rank had a dense gradient of its own (a sparse rank must
-        # not retry the allgather that such a rank never joins: it waited for ever)
-        had = np.empty(2 * n + 2, dtype=np.uint8)
+        # not retry the allgather that such a rank never joins: it waited for ever); then 1 where
+        # this rank changed the gradient before it was averaged, so that every rank refuses the
+        # update (a change on one rank only, raised there alone, left the others updating)
+        had = np.empty(3 * n + 2, dtype=np.uint8)
         had[:n] = np.fromiter((0 if p in filled else _had_code(p.grad) for p in params), dtype=np.uint8, count=n)
         had[n:2 * n] = had[:n] == 1
-        had[2 * n], had[2 * n + 1] = self._hvddp_settings, 255 - self._hvddp_settings
+        had[2 * n:3 * n] = np.fromiter((p in modified for p in params), dtype=np.uint8, count=n)
+        had[3 * n], had[3 * n + 1] = self._hvddp_settings, 255 - self._hvddp_settings
         had_handle = hvddp.allreduce_async_(had, None, self._hvddp_prefix[:-1] + ":had", hvddp.Max,
                                             process_set=self._hvddp_process_set)
         errors, retries, had_error = [], [], None
@@ -511,8 +517,9 @@ class _DistributedOptimizer(WrapperCommon):
         except Exception as exc:  # raised after the flights' errors, which say more (a wrapper of
             had_error, had = exc, None  # another kind on some rank sends another length here)
         else:
-            if int(had[2 * n]) + int(had[2 * n + 1]) != 255:  # some rank's settings differ from another's
-                errors.append(MismatchError(_settings_differ(int(had[2 * n]), 255 - int(had[2 * n + 1]))))
+            if int(had[3 * n]) + int(had[3 * n + 1]) != 255:  # some rank's settings differ from another's
+                errors.append(MismatchError(_settings_differ(int(had[3 * n]), 255 - int(had[3 * n + 1]))))
+            modified = {p for p, m in zip(params, had[2 * n:3 * n].tolist()) if m}
         dense = set() if had is None else {p for p, d in zip(params, had[n:2 * n].tolist()) if d}
         flights, self._hvddp_flights = self._hvddp_flights, []
         for flight in flights:
@@ -560,7 +567,8 @@ class _DistributedOptimizer(WrapperCommon):
         if errors:
             raise errors[0]
         if modified:
-            raise HvddpError(_MODIFIED_IN_FLIGHT.format(name=modified[0]))
+            raise HvddpError(_MODIFIED_IN_FLIGHT.format(
+                name=next(self._hvddp_names[p] for p in params if p in modified)))
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
