@@ -560,6 +560,25 @@ def test_sync_batch_norm_input_needing_a_gradient_on_some_ranks_only_fails_every
     assert int(bn.num_batches_tracked) == 1
 
 
+def test_sync_batch_norm_trains_on_while_a_rank_has_joined():
+    """A rank out of data calls join(): its zeros leave its slot out of the statistics and of
+    backward's sums, so the others get BatchNorm on their own batches (counted among the ranks
+    whose input needs a gradient, the joined one made the others raise that it had none)."""
+    sync, ref = hvd.SyncBatchNorm(3).double(), torch.nn.BatchNorm1d(3).double()
+    try:
+        if R == 0:
+            for step in range(2):
+                x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+                x_ref = x.detach().clone().requires_grad_()
+                (sync(x) ** 2).sum().backward()
+                (ref(x_ref) ** 2).sum().backward()
+                torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(sync.running_var, ref.running_var, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(sync.weight.grad, ref.weight.grad, rtol=1e-10, atol=1e-10)
+    finally:
+        assert hvd.join() == 0
+
+
 @pytest.mark.parametrize("affine", [True, False])
 def test_sync_batch_norm_matches_batch_norm(affine):
     torch.manual_seed(0)

@@ -24,7 +24,8 @@ class SyncBatchNorm(_BatchNorm):
     ranks' inputs (ranks may hold different batch sizes), so N ranks on B/N samples each give
     the output, gradients and running statistics of ``BatchNorm`` on B samples in one process.
     Two allreduces per forward (sum, then the sum of squared deviations) and two per backward,
-    named after its channel count; every rank must run the layer the same number of times. In eval
+    named after its channel count; every rank must run the layer the same number of times, or
+    have called ``join()`` (such a rank adds nothing: the others normalize their batches). In eval
     mode, or with a size-1 ``process_set``, it is plain batch norm on this rank's input, as torch's
     ``SyncBatchNorm`` (without running statistics: this rank's batch statistics), so a rank may
     evaluate alone. A step whose global batch is empty leaves the running statistics alone, and
@@ -93,10 +94,11 @@ class SyncBatchNorm(_BatchNorm):
         channels = x.shape[1]
         dims = [0] + list(range(2, x.dim()))
         shape = [1, channels] + [1] * (x.dim() - 2)
-        # with the count, whether this rank's backward will run the statistics' allreduces: an
-        # autograd node is recorded only where the input needs a gradient
+        # with the count, whether this rank's backward will run the statistics' allreduces (an
+        # autograd node is recorded only where the input needs a gradient) and a 1 for taking part:
+        # a rank that called join() adds zeros to both, and its peers' backward meets it too
         needs = torch.is_grad_enabled() and x.requires_grad
-        count = torch.tensor([x.numel() // channels, float(needs)], dtype=x.dtype, device=x.device)
+        count = torch.tensor([x.numel() // channels, float(needs), 1.0], dtype=x.dtype, device=x.device)
         # Named by the channel count, not by the layer: a rank that built one more layer (a copy
         # for evaluation, say) would otherwise shift every later layer's name and never meet its
         # peers. Each call blocks, so layers of the same width can share a name (Horovod's names
@@ -107,7 +109,7 @@ class SyncBatchNorm(_BatchNorm):
                            process_set=self.process_set)
         n = totals[channels].detach()
         total = float(n)  # the same on every rank: all take the same branch
-        needing, members = int(totals[channels + 1]), self.process_set.size()
+        needing, members = int(totals[channels + 1]), int(totals[channels + 2])
         if 0 < needing < members:  # the ranks that need it would wait in backward for the others
             raise ValueError(
                 f"SyncBatchNorm({self.num_features}): its input needs a gradient on {needing} of "
