@@ -88,6 +88,14 @@ def test_sync_batch_norm_is_batch_norm(initialized):
     assert torch.equal(sync.running_var, ref.running_var)
     converted = hvd.SyncBatchNorm.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(3)))
     assert isinstance(converted[0], hvd.SyncBatchNorm)
+    # a lazy layer not yet run has no width: refused by its path (it became SyncBatchNorm(0), whose
+    # forward blamed the input's 3 channels); once run, it converts
+    lazy = torch.nn.Sequential(torch.nn.Sequential(torch.nn.LazyBatchNorm1d()))
+    with pytest.raises(ValueError, match=r"0\.0 is a LazyBatchNorm1d whose num_features is not known yet; "
+                                         r"run the model once on a batch \(or build BatchNorm1d\(num_features\)\)"):
+        hvd.SyncBatchNorm.convert_sync_batchnorm(lazy)
+    lazy(x)
+    assert hvd.SyncBatchNorm.convert_sync_batchnorm(lazy)[0][0].num_features == 3
     with pytest.raises(ValueError, match="at least 2"):
         sync(torch.ones(3))
 

@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.lazy import LazyModuleMixin
 
 import hvddp
 from hvddp import ProcessSet, Sum, global_process_set
@@ -141,7 +142,18 @@ class SyncBatchNorm(_BatchNorm):
     def convert_sync_batchnorm(cls, module: torch.nn.Module,
                                process_set: ProcessSet = global_process_set) -> torch.nn.Module:
         """Return ``module`` with every ``BatchNorm*d`` replaced by a ``SyncBatchNorm`` (same state)."""
+        return cls._convert(module, process_set, "")
+
+    @classmethod
+    def _convert(cls, module: torch.nn.Module, process_set: ProcessSet, path: str) -> torch.nn.Module:
         out = module
+        if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
+            # (it became SyncBatchNorm(0), whose first forward blamed the input's channel count)
+            raise ValueError(
+                f"SyncBatchNorm.convert_sync_batchnorm: {path or 'the module'} is a "
+                f"{type(module).__name__} whose num_features is not known yet; run the model once on "
+                f"a batch (or build {type(module).__name__.replace('Lazy', '')}(num_features)) before "
+                f"converting it.")
         if isinstance(module, _BatchNorm) and not isinstance(module, cls):
             out = cls(module.num_features, module.eps, module.momentum, module.affine,
                       module.track_running_stats, process_set)
@@ -154,5 +166,5 @@ class SyncBatchNorm(_BatchNorm):
             out.num_batches_tracked = module.num_batches_tracked
             out.training = module.training
         for name, child in module.named_children():
-            out.add_module(name, cls.convert_sync_batchnorm(child, process_set))
+            out.add_module(name, cls._convert(child, process_set, f"{path}.{name}" if path else name))
         return out
