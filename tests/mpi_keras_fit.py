@@ -780,6 +780,21 @@ def test_jit_compile():
             assert model.jit_compile is True  # the reduction runs inside jax.jit (io_callback)
         model.fit(shard(x) * (RANK + 1), shard(y), batch_size=GLOBAL_BATCH // SIZE, epochs=1, verbose=0)
         assert_replicas_identical(model.get_weights(), "jit")
+    if BACKEND == "torch":  # torch.compile: the step is compiled once, not again at every step
+        import logging
+
+        seen = []
+        catch = logging.Handler()
+        catch.emit = lambda record: seen.append(record.getMessage())
+        logging.getLogger("torch._dynamo").addHandler(catch)
+        try:
+            model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                          loss="sparse_categorical_crossentropy", jit_compile=True)
+            model.fit(shard(x), shard(y), batch_size=1, epochs=4, shuffle=False, verbose=0)  # > 8 steps
+        finally:
+            logging.getLogger("torch._dynamo").removeHandler(catch)
+        assert not [m for m in seen if "recompile_limit" in m], seen
+        assert_replicas_identical(model.get_weights(), "jit.compiled")
 
 
 def test_scalar_weights_and_tensors_keep_their_shape():

@@ -67,6 +67,16 @@ class _DistributedOptimizerMixin:
         return settings
 
     def _hvddp_allreduce(self, grads: List[Any], variables: List[Any]) -> List[Any]:
+        if _backend.name() == "torch":  # torch.compile (jit_compile=True): the whole reduction
+            # outside the graph, as one call. Traced, its numpy reads (which gradients exist)
+            # broke the graph inside it, and the frame resumed there was compiled again at every
+            # step until dynamo's recompile limit (a warning, then that frame ran eagerly).
+            import torch
+
+            return torch.compiler.disable(self._hvddp_allreduce_now)(grads, variables)
+        return self._hvddp_allreduce_now(grads, variables)
+
+    def _hvddp_allreduce_now(self, grads: List[Any], variables: List[Any]) -> List[Any]:
         settings = self._hvddp_settings()
         if len(grads) == len(variables) and any(_overwritten(v) for v in variables):
             return self._hvddp_reduce_overwritten(grads, variables, settings)
