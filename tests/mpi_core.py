@@ -612,6 +612,45 @@ def test_a_member_sent_late_in_another_group_fails_too():
         np.testing.assert_array_equal(out, np.full(2, N))
 
 
+def test_an_unsent_member_of_a_group_a_late_member_failed_is_owed():
+    """Rank 0 groups w0 with w1 and sends b0 and b1 alone (as a DistributedOptimizer grouping its
+    weights does); the others group by layer, (w0, b0) then, later, (w1, b1). The first groups
+    fail; the others' second group, sent before they waited on the first, fails on its late member
+    w1, so they never send b1 again, and rank 0's b1, sent after that, waited for ever. It fails,
+    as a late member of that group."""
+    if N == 1:
+        pytest.skip("needs two ranks")
+    from mpi4py import MPI
+
+    w0, b0, w1, b1 = (f"ul.{n}" for n in ("w0", "b0", "w1", "b1"))
+    if R == 0:
+        first = hvddp.grouped_allreduce_async([np.ones(2), np.ones(2)], names=[w0, w1])
+        alone = hvddp.allreduce_async(np.ones(3), name=b0)
+        for r in range(1, N):  # the others' late group has failed; this rank's code has met no error yet
+            MPI.COMM_WORLD.recv(source=r, tag=77)
+        late = hvddp.allreduce_async(np.ones(3), name=b1)
+        for handle in (first, alone):
+            with pytest.raises(hvddp.MismatchError):
+                handle.wait(timeout=30)
+        with pytest.raises(hvddp.MismatchError, match=rf"'ul\.b1' was sent late"):
+            late.wait(timeout=30)  # (it waited for ever: TimeoutError)
+    else:  # (both groups sent before waiting on either, as at a step: the second is the late one)
+        first = hvddp.grouped_allreduce_async([np.ones(2), np.ones(3)], names=[w0, b0])
+        while not first.done():
+            time.sleep(0.01)
+        second = hvddp.grouped_allreduce_async([np.ones(2), np.ones(3)], names=[w1, b1])
+        while not second.done():
+            time.sleep(0.01)
+        MPI.COMM_WORLD.send(None, dest=0, tag=77)
+        with pytest.raises(hvddp.MismatchError):
+            first.wait()
+        with pytest.raises(hvddp.MismatchError, match=r"'ul\.w1' was sent late"):
+            second.wait()
+    hvddp.barrier()
+    for out, n in zip(hvddp.grouped_allreduce([np.ones(2), np.ones(3)], op=hvddp.Sum, names=[w1, b1]), (2, 3)):
+        np.testing.assert_array_equal(out, np.full(n, N))
+
+
 @pytest.mark.parametrize("next_call", ["b", "a_then_b", "barrier_then_b", "b_in_a_new_group"])
 def test_a_call_made_after_the_error_is_a_new_call_not_a_late_member(next_call):
     """The ranks that sent a alone (rank 0 grouped a with b) raised on it, having never sent b.

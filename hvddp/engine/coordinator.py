@@ -234,7 +234,7 @@ class Coordinator:
     def decide(self, now: float) -> Decision:
         ready: List[tuple] = []
         errors: Dict[tuple, str] = {}
-        late_keys, late_groups = set(), set()  # the late members failed this round, and their groups
+        late_keys = set()  # the late members failed this round
         joined = set(self.joined)
         for key, waiting in self.table.items():
             ps = self.process_sets.get(key[0])
@@ -247,7 +247,6 @@ class Coordinator:
             if late is not None:
                 errors[key] = late
                 late_keys.add(key)
-                late_groups.update(q.group[0] for q in waiting.requests.values() if q.group is not None)
                 ready.append(key)
                 continue
             members = ps.ranks
@@ -291,7 +290,7 @@ class Coordinator:
                     responses[i] = response._replace(error=failed_groups[group[0]])
                     seen[response.key()] = (ran[response.key()], failed_groups[group[0]])
             responses += self._fail_rest_of_groups(failed_groups, seen)
-            self._owe(seen, late_groups)
+            self._owe(seen, late_keys)
         if seen or late_keys:  # group failures count where they are raised (hvddp.handles.RAISED)
             for i, response in enumerate(responses):
                 if response.error is not None and (response.key() in seen or response.key() in late_keys):
@@ -322,15 +321,17 @@ class Coordinator:
                 self.timeline.negotiate_end(key)
         return responses
 
-    def _owe(self, seen: Dict[tuple, tuple], late_groups: set) -> None:
+    def _owe(self, seen: Dict[tuple, tuple], late_keys: set) -> None:
         """Record the members of this round's failed groups that ranks have not sent yet: they
-        owe them (``_owed_sends``). Not those of a group that a late member failed: the other
-        ranks had their answer for that member, and their next call under a name of that group
-        is a new one, even if their code met no error since (it failed on another rank only)."""
+        owe them (``_owed_sends``). Not the late members themselves: the other ranks had their
+        answer for those, and their next call under such a name is a new one, even if their code
+        met no error since (it failed on another rank only). The other members of a group that a
+        late member failed are owed as usual: a rank that has not sent one yet (its hooks send it
+        later, ungrouped) would otherwise wait for ever for ranks that will not send it again."""
         joined = set(self.joined)
         owed: Dict[int, tuple] = {}
         for key, (senders, _) in seen.items():
-            if any(q.group is not None and q.group[0] in late_groups for q in senders.values()):
+            if key in late_keys:
                 continue
             ps = self.process_sets.get(key[0])
             for r in ps.ranks if ps is not None else ():
