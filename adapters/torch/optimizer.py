@@ -106,8 +106,9 @@ def _split_list(items: list, n: int) -> List[list]:
 _MODIFIED_IN_FLIGHT = (
     "the gradient of {name!r} was modified in place or replaced (e.g. by clip_grad_norm_), on this "
     "rank or another, after backward() and before it was averaged across ranks: the update would "
-    "use the local gradient, or a mix of it and the average that differs between ranks. Call optimizer.synchronize() first, then modify "
-    "the gradients, then call optimizer.step() inside `with optimizer.skip_synchronize():` "
+    "use the local gradient, or a mix of it and the average that differs between ranks. Call "
+    "optimizer.synchronize() first, then modify the gradients, then call optimizer.step() inside "
+    "`with optimizer.skip_synchronize():` "
     "(Horovod's recipe); a torch.amp.GradScaler does this itself in scaler.step(optimizer), "
     "also after scaler.unscale_(optimizer) if optimizer.synchronize() came first.")
 
