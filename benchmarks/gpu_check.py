@@ -29,7 +29,9 @@ Sections (each guarded: one failure does not hide the rest):
              devices); reported as not possible here
   staging    `mpiexec -n 2` sharing the GPU, HVDDP_GPU_OPERATIONS=MPI path: allreduce of every
              dtype with rank-dependent inputs (exact), broadcast/allgather/alltoall/reducescatter
-  public API hvddp.allreduce on a CuPy array, if ops.py accepts device arrays yet
+  public API tests/mpi_gpu_wired.py at np=1 and np=2: hvddp's collectives on CuPy arrays through
+             the engine (every dtype, in place on strided views, aliased inputs, 0-d broadcast,
+             uneven allgather, alltoall, reducescatter, Adasum, a device mismatch across ranks)
   torch ops  hvddp.torch collectives on CUDA tensors at np=1 and np=2 (staged on one GPU): 8 dtypes,
              Sum/Max/Average, in place with prescale, allgather with uneven rows, broadcast from the
              last rank, async, grouped, alltoall, reducescatter, backward, SyncBatchNorm,
@@ -456,7 +458,9 @@ def mpiexec():
     return local if os.path.exists(local) else shutil.which("mpiexec")
 
 
-def run_workers(np_, mode, section, timeout=240, extra_env=None):
+def run_workers(np_, mode, section, timeout=240, extra_env=None, script=None):
+    """Launch this file's worker ``mode`` (or ``script``, which prints ``WIRED OK rank r`` on
+    success) on ``np_`` ranks and add a row per result."""
     exe = mpiexec()
     if exe is None:
         row(section, "mpiexec", False, "no mpiexec (pip install mpich)")
@@ -470,14 +474,15 @@ def run_workers(np_, mode, section, timeout=240, extra_env=None):
 
     # Open MPI's launcher refuses root and more ranks than cores unless told
     flags = ["--allow-run-as-root", "--oversubscribe"] if _launcher_family(exe) == "openmpi" else []
-    cmd = [exe, "-n", str(np_), *flags, sys.executable, "-m", "mpi4py", os.path.abspath(__file__), "--worker", mode]
+    target = [script] if script else [os.path.abspath(__file__), "--worker", mode]
+    cmd = [exe, "-n", str(np_), *flags, sys.executable, "-m", "mpi4py", *target]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as exc:
         row(section, f"{mode} at np={np_}", False, f"timed out after {timeout} s; output: {str(exc.stdout)[-800:]}")
         return
-    found = False
+    found = proc.stdout.count("WIRED OK") == np_ if script else False
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             found = True
@@ -487,7 +492,8 @@ def run_workers(np_, mode, section, timeout=240, extra_env=None):
         row(section, f"{mode} at np={np_} exit {proc.returncode}", False,
             (proc.stdout[-600:] + " | " + proc.stderr[-900:]).replace("\n", " / "))
     else:
-        row(section, f"{mode} at np={np_} wall", True, f"{time.perf_counter() - t0:.1f} s")
+        row(section, f"{mode} at np={np_}" + (" passed, wall" if script else " wall"), True,
+            f"{time.perf_counter() - t0:.1f} s")
 
 
 @guarded("staging")
@@ -497,25 +503,16 @@ def section_staging():
 
 @guarded("public API")
 def section_public_api():
+    """tests/mpi_gpu_wired.py: hvddp's collectives on device arrays through the engine, at np=1
+    (NCCL) and np=2 (staged through MPI when the two ranks share one GPU)."""
     import cupy
 
-    import hvddp
-
-    if FAKE_CUPY:  # stand-in arrays are numpy subclasses: the CPU path would take them
-        row("public API", "hvddp.allreduce(cupy array)", None, "not meaningful with the CuPy stand-in")
-        return
-    hvddp.init()
-    try:
-        x = cupy.arange(10, dtype=cupy.float32)
-        try:
-            out = hvddp.allreduce(x, name="api.cupy")
-        except TypeError as exc:
-            row("public API", "hvddp.allreduce(cupy array)", None, f"ops.py does not accept device arrays yet: {exc}")
-            return
-        ok = isinstance(out, cupy.ndarray) and bool((out == x).all())
-        row("public API", "hvddp.allreduce(cupy array) at np=1", ok, type(out).__name__)
-    finally:
-        hvddp.shutdown()
+    script = os.path.join(ROOT, "tests", "mpi_gpu_wired.py")
+    env = {"HVDDP_FAKE_KERNELS": FAKE_CUPY} if FAKE_CUPY else {}
+    run_workers(1, "collectives on device arrays", "public API", extra_env=env, script=script)
+    shared = not FAKE_CUPY and cupy.cuda.runtime.getDeviceCount() < 2
+    run_workers(2, "collectives on device arrays", "public API", script=script,
+                extra_env=dict(env, HVDDP_GPU_OPERATIONS="MPI") if shared else env)
 
 
 def run_torch_workers(section, mode, check, on_stand_in):
@@ -809,8 +806,8 @@ def main():
                                   f"matching the CUDA driver)")
     else:
         # sections that launch mpiexec run before this process initializes MPI itself
-        sections = (section_env, section_kernels, section_staging, section_optimizer,
-                    section_torch_ops, section_nccl_two, section_nccl_single, section_public_api,
+        sections = (section_env, section_kernels, section_staging, section_public_api,
+                    section_optimizer, section_torch_ops, section_nccl_two, section_nccl_single,
                     section_bandwidth)
         names = {fn.__name__[len("section_"):] for fn in sections}
         only = set(filter(None, args.only.split(",")))
