@@ -4,7 +4,9 @@ Open the file in Perfetto (ui.perfetto.dev) or chrome://tracing. Each tensor is 
 ``<kind>.<name>`` (``allreduce.grad.fc1.weight``; on a process set other than the global one,
 followed by `` (process set <id>)``): a ``NEGOTIATE_<KIND>`` span with an instant
 mark per rank as that rank announces it, then the ``<KIND>`` span with its phases
-(``MEMCPY_IN_FUSION_BUFFER``, ``MPI_ALLREDUCE``, ``MEMCPY_OUT_FUSION_BUFFER``). With
+(``MEMCPY_IN_FUSION_BUFFER``, ``MPI_ALLREDUCE``, ``MEMCPY_OUT_FUSION_BUFFER``; on a GPU
+``NCCL_<KIND>`` or ``MPI_<KIND>_STAGED`` from when the engine enqueues it until hvddp's stream
+has passed it). With
 ``HVDDP_TIMELINE_MARK_CYCLES=1`` every engine cycle is a ``CYCLE_START`` mark.
 """
 
@@ -23,6 +25,8 @@ _log = logging.getLogger("hvddp")
 __all__ = ["Timeline", "start_timeline", "stop_timeline"]
 
 _quote = functools.lru_cache(maxsize=4096)(json.dumps)  # span names and rank marks repeat
+_OTHER_KINDS = ("allgather", "broadcast", "alltoall", "reducescatter", "barrier", "join",
+                "add_process_set", "remove_process_set")  # (every Kind but allreduce)
 
 
 class Timeline:
@@ -220,8 +224,8 @@ class Timeline:
             if key not in self._kinds:  # not negotiated (a join's), or before this file began:
                 # the row's kind is fixed here, once (an Adasum or staged allreduce's second
                 # activity moved its events to a row of its own, its spans open on the first)
-                kind = activity[4:].lower() if activity.startswith("MPI_") else "allreduce"
-                self._kinds[key] = "allreduce" if "allreduce" in kind else kind
+                name = activity.lower()  # (MPI_BROADCAST, NCCL_ALLGATHER, MPI_ALLTOALL_STAGED, ...)
+                self._kinds[key] = next((k for k in _OTHER_KINDS if k in name), "allreduce")
             if stack and stack[-1].startswith("NEGOTIATE_"):
                 self._event(key, "E", stack.pop(), ts)
             if not stack:

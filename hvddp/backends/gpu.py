@@ -75,17 +75,22 @@ class Completions:
     """Entries waiting for an event on hvddp's stream, completed in order once it has passed.
 
     Works with any event object that has ``done`` (property or method) and ``synchronize()``.
+    With a ``timeline``, each item's tensors end their timeline spans when it completes or fails:
+    the device work runs after the engine has enqueued it.
     """
 
-    def __init__(self) -> None:
-        self._items: Deque[Tuple[Any, List[Tuple[Any, Any]], Any]] = deque()
+    def __init__(self, timeline=None) -> None:
+        self._items: Deque[Tuple[Any, List[Tuple[Any, Any]], Any, Sequence[tuple]]] = deque()
+        self.timeline = timeline
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, event: Any, results: List[Tuple[Any, Any]], keep: Any = None) -> None:
-        """Complete each ``(entry, value)`` of ``results`` after ``event``; hold ``keep`` until then."""
-        self._items.append((event, results, keep))
+    def add(self, event: Any, results: List[Tuple[Any, Any]], keep: Any = None,
+            keys: Sequence[tuple] = ()) -> None:
+        """Complete each ``(entry, value)`` of ``results`` after ``event``; hold ``keep`` until then;
+        then end the timeline spans of ``keys`` (every request of the batch, a joined rank's too)."""
+        self._items.append((event, results, keep, keys))
 
     @staticmethod
     def _done(event: Any) -> bool:
@@ -108,6 +113,7 @@ class Completions:
             try:
                 item[0].synchronize()
             except Exception as exc:  # a failed kernel or NCCL call shows up here
+                self._end_spans(item)
                 _fail_all(item[1], HvddpError(f"GPU collective failed: {exc}"))
                 continue
             self._finish(item)
@@ -116,12 +122,18 @@ class Completions:
 
     def fail_all(self, error: BaseException) -> None:
         while self._items:
-            _fail_all(self._items.popleft()[1], error)
+            item = self._items.popleft()
+            self._end_spans(item)
+            _fail_all(item[1], error)
 
-    @staticmethod
-    def _finish(item) -> None:
+    def _finish(self, item) -> None:
+        self._end_spans(item)
         for entry, value in item[1]:
             _complete(entry, value)
+
+    def _end_spans(self, item) -> None:
+        if item[3] and self.timeline:
+            self.timeline.end(item[3])
 
 
 def _complete(entry, value) -> None:
@@ -171,7 +183,7 @@ class GpuExecutor:
         from . import mpi
 
         self.mpi = mpi
-        self.pending = Completions()
+        self.pending = Completions(timeline)
         self._streams: Dict[int, Any] = {}
         self._fusion: Dict[Tuple[int, str], Any] = {}
         self._pinned: Dict[Tuple[int, str], np.ndarray] = {}
@@ -277,10 +289,12 @@ class GpuExecutor:
         device = self._last_device.get(ps_id)
         return self.cupy.cuda.Device().id if device is None else device
 
-    def _record(self, stream, results, keep) -> None:
+    def _record(self, stream, results, keep, requests) -> None:
+        """Complete ``results`` once ``stream`` has passed this point; the timeline spans of
+        ``requests`` end then too."""
         event = self.cupy.cuda.Event(block=True, disable_timing=True)
         event.record(stream)
-        self.pending.add(event, results, keep)
+        self.pending.add(event, results, keep, [r.key() for r in requests] if self.timeline else ())
 
     # Completion --------------------------------------------------------------------------
     def poll(self) -> int:
@@ -317,6 +331,8 @@ class GpuExecutor:
                 _fatal_if_local(exc)  # (out of device memory on one rank: its peers would wait)
                 error = exc if isinstance(exc, HvddpError) else HvddpError(
                     f"allreduce of {[item[0].name for item in items]} on the GPU failed: {exc}")
+                if self.timeline:
+                    self.timeline.end([item[0].key() for item in items])
                 _fail_all([(item[1], None) for item in items], error)
 
     def _allreduce_group(self, items, device_id: int, wire: str) -> None:
@@ -405,7 +421,7 @@ class GpuExecutor:
                     with stream:
                         entry.writeback[...] = out.reshape(entry.writeback.shape)
                 results.append((entry, out))
-            self._record(stream, results, keep)
+            self._record(stream, results, keep, [item[0] for item in items])
 
     def _staged_allreduce(self, ps, buf, wire: str, op: int, stream) -> None:
         """Device buffer -> pinned host -> MPI allreduce in place -> device, on ``stream``."""
@@ -438,6 +454,9 @@ class GpuExecutor:
     # Other collectives -------------------------------------------------------------------
     def run_one(self, request: Request, entry, info) -> None:
         """Run one device broadcast/allgather/alltoall/reducescatter; errors go to the entry."""
+        if self.timeline:  # enqueue time, as for allreduces; the span ends when the stream passes
+            kind = request.kind.value.upper()
+            self.timeline.activity(request.key(), f"NCCL_{kind}" if self.path == "NCCL" else f"MPI_{kind}_STAGED")
         try:
             device_id = self._device_of(entry, request.ps_id)
             with self.cupy.cuda.Device(device_id):
@@ -447,6 +466,8 @@ class GpuExecutor:
                     self._staged_one(request, entry, info, device_id)
         except Exception as exc:
             _fatal_if_local(exc)
+            if self.timeline:
+                self.timeline.end((request.key(),))
             if entry is not None:
                 entry.fail(exc if isinstance(exc, HvddpError) else
                            HvddpError(f"{request.kind.value} {request.name!r} on the GPU failed: {exc}"))
@@ -518,7 +539,7 @@ class GpuExecutor:
             with stream:
                 entry.writeback[...] = value.reshape(entry.writeback.shape)
         keep.append(value)
-        self._record(stream, [(entry, value)], keep)
+        self._record(stream, [(entry, value)], keep, [request])
 
     def _staged_one(self, request: Request, entry, info, device_id: int) -> None:
         """Copy the input to the host, run the CPU executor's collective, copy the result back."""
@@ -550,7 +571,7 @@ class GpuExecutor:
             with stream:
                 entry.writeback[...] = out.reshape(entry.writeback.shape)
         value = (out, splits) if splits is not None else out
-        self._record(stream, [(entry, value)], [entry, result, out])
+        self._record(stream, [(entry, value)], [entry, result, out], [request])
 
 
 class _HostEntry:
