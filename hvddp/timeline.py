@@ -189,12 +189,13 @@ class Timeline:
 
     @_locked
     def negotiate_start(self, key: tuple, kind: str) -> None:
-        self._kinds[key] = kind
         stack = self._open_spans.setdefault(key, [])
+        if any(span.startswith("NEGOTIATE_") for span in stack):
+            return  # one negotiation, one span: when ranks call two kinds under a name, on the first's row
+        self._kinds[key] = kind
         span = f"NEGOTIATE_{kind.upper()}"
-        if span not in stack:
-            self._event(key, "B", span)
-            stack.append(span)
+        self._event(key, "B", span)
+        stack.append(span)
 
     @_locked
     def negotiate_rank_ready(self, key: tuple, rank: int, kind: str) -> None:

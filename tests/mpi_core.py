@@ -1145,6 +1145,46 @@ def test_the_timeline_names_the_way_a_fusion_buffer_was_reduced(tmp_path):
         assert ({"CMA_ALLREDUCE", "MPI_ALLREDUCE"} - {way}).isdisjoint(names), names
 
 
+def test_timeline_spans_of_failed_cached_calls_end_when_they_fail(tmp_path):
+    """Rank 0 opens a negotiation span for its own call announced through the response cache.
+    When another rank called another kind of collective under that name, a span began on the
+    other kind's row and the negotiation's end closed that one only: rank 0's ran on into the
+    next call's negotiation."""
+    import json
+
+    if N < 2:
+        pytest.skip("needs two ranks")
+    path = hvddp.broadcast_object(str(tmp_path / "t.json") if R == 0 else None, root_rank=0)
+    hvddp.start_timeline(path)
+    for _ in range(2):
+        hvddp.allreduce(np.ones(3), name="tl.kind")  # cached from now on
+    if R != 1:
+        handle = hvddp.allreduce_async(np.ones(3), name="tl.kind")  # announced by its cache bit
+    hvddp.barrier()  # (rank 0's call is announced by then)
+    if R == 1:
+        handle = hvddp.broadcast_async(np.ones(3), root_rank=0, name="tl.kind")
+    with pytest.raises(hvddp.MismatchError, match="different collectives"):
+        handle.wait()
+    hvddp.allreduce(np.ones(3), name="tl.kind")
+    hvddp.stop_timeline()
+    hvddp.barrier()
+    if R != 0:
+        return
+    events = json.loads(open(path).read())
+    rows = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    stacks, spans = {}, []  # spans: (row, name, index of its B, index of its E)
+    for i, e in enumerate(events):
+        if e["ph"] == "B":
+            stacks.setdefault(e["pid"], []).append((e["name"], i))
+        elif e["ph"] == "E":
+            name, begin = stacks[e["pid"]].pop()
+            assert name == e["name"], (rows[e["pid"]], name, e)
+            spans.append((rows[e["pid"]], name, begin, i))
+    assert not any(stacks.values()), stacks
+    negotiations = [s for s in spans if s[0] == "allreduce.tl.kind" and s[1] == "NEGOTIATE_ALLREDUCE"]
+    assert len(negotiations) == 4, spans  # 2 steps, the failed call, the next one
+
+
 def test_cross_memory_follows_its_setting():
     """Single process: never. Otherwise on, unless HVDDP_CMA=0 (this machine allows it)."""
     import os
