@@ -1149,7 +1149,8 @@ def test_timeline_spans_of_failed_cached_calls_end_when_they_fail(tmp_path):
     """Rank 0 opens a negotiation span for its own call announced through the response cache.
     When another rank called another kind of collective under that name, a span began on the
     other kind's row and the negotiation's end closed that one only: rank 0's ran on into the
-    next call's negotiation."""
+    next call's negotiation. On a process set removed before its other members made the call,
+    the span ended only when the timeline closed (the call failed at the removal)."""
     import json
 
     if N < 2:
@@ -1166,6 +1167,17 @@ def test_timeline_spans_of_failed_cached_calls_end_when_they_fail(tmp_path):
     with pytest.raises(hvddp.MismatchError, match="different collectives"):
         handle.wait()
     hvddp.allreduce(np.ones(3), name="tl.kind")
+    pair = hvddp.add_process_set([0, 1])
+    if pair.included():
+        for _ in range(2):
+            hvddp.allreduce(np.ones(3), name="tl.gone", process_set=pair)
+    if R == 0:
+        orphan = hvddp.allreduce_async(np.ones(3), name="tl.gone", process_set=pair)
+    hvddp.remove_process_set(pair)
+    if R == 0:
+        with pytest.raises(hvddp.MismatchError, match="was removed"):
+            orphan.wait()
+    hvddp.allreduce(np.ones(3), name="tl.after")
     hvddp.stop_timeline()
     hvddp.barrier()
     if R != 0:
@@ -1183,6 +1195,9 @@ def test_timeline_spans_of_failed_cached_calls_end_when_they_fail(tmp_path):
     assert not any(stacks.values()), stacks
     negotiations = [s for s in spans if s[0] == "allreduce.tl.kind" and s[1] == "NEGOTIATE_ALLREDUCE"]
     assert len(negotiations) == 4, spans  # 2 steps, the failed call, the next one
+    after = min(s[2] for s in spans if s[0] == "allreduce.tl.after")
+    gone = [s for s in spans if s[0].startswith("allreduce.tl.gone (process set")]
+    assert gone and max(s[3] for s in gone) < after, (gone, after)  # ended when the call failed
 
 
 def test_cross_memory_follows_its_setting():

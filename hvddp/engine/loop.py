@@ -559,6 +559,9 @@ class Engine:
                 self._release_join()
             if self.coordinator is not None:  # rank 0 forgets them too: no stall, no late answer
                 self.coordinator.forget_process_set(ps_id)
+                if self.timeline:  # (its own, announced through the cache, never reached the table)
+                    for e in orphans:
+                        self.timeline.negotiate_end(e.key)
             for e in orphans:
                 e.fail(MismatchError(f"{e.request.kind.value} {e.request.name!r}: its process set (id "
                                      f"{ps_id}) was removed before every member submitted it."))
