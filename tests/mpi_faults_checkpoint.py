@@ -278,5 +278,33 @@ np.random.seed(99)
 torch_checkpoint.load_checkpoint(counted, map_location="meta")  # (meta: a device that is not the CPU)
 assert torch.equal(torch.rand(3), want[0]) and np.array_equal(np.random.rand(3), want[1])
 
+# op=Adasum keeps each rank's own optimizer state (it runs the update on the rank's own gradients):
+# every rank's is saved and each rank gets its own back (rank 0's momentum was loaded on every
+# rank, and a resumed job went on differently from the uninterrupted one)
+if hvddp.size() == 2:
+    from hvddp.torch import DistributedOptimizer  # noqa: E402
+
+    def adasum_net():
+        net_ = torch.nn.Linear(3, 2)
+        with torch.no_grad():
+            net_.weight.fill_(0.5)
+            net_.bias.zero_()
+        return net_, DistributedOptimizer(torch.optim.SGD(net_.parameters(), lr=0.1, momentum=0.9),
+                                          named_parameters=net_.named_parameters(), op=hvddp.Adasum)
+
+    net, ada = adasum_net()
+    net(torch.full((4, 3), 1.0 + rank)).pow(2).sum().backward()
+    ada.step()
+    own = ada.state[net.weight]["momentum_buffer"].clone()
+    assert not torch.equal(*hvddp.allgather_object(own)), "the ranks' momenta should differ"
+    adasum_path = os.path.join(directory, "adasum.pt")
+    torch_checkpoint.save_checkpoint(adasum_path, net, ada)
+    net, ada = adasum_net()
+    torch_checkpoint.load_checkpoint(adasum_path, net, ada)
+    assert torch.equal(ada.state[net.weight]["momentum_buffer"], own), "this rank's momentum was not restored"
+    plain = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)  # one state for all: rank 0's
+    torch_checkpoint.load_checkpoint(adasum_path, optimizer=plain)
+    assert torch.equal(*hvddp.allgather_object(plain.state[net.weight]["momentum_buffer"]))
+
 sys.stdout.write(f"rank {rank}: CHECKPOINT OK\n")
 sys.stdout.flush()

@@ -24,7 +24,10 @@ uninterrupted job did, which shifts every later draw. Give the loader a generato
 ``DataLoader(..., generator=torch.Generator())``, and the global draws stay the same.) The
 model's state dict is rank 0's: buffers that replicas keep apart (plain ``BatchNorm`` running
 statistics, each rank's from its own shard) come back as rank 0's on every rank; ``SyncBatchNorm``
-keeps them equal everywhere, so its runs resume bit-identically.
+keeps them equal everywhere, so its runs resume bit-identically. The optimizer's state is rank
+0's too, except with ``DistributedOptimizer(op=hvd.Adasum)``, whose momentum and moments are each
+rank's own: then every rank's is kept, and each rank gets its own back when the job has as many
+ranks (rank 0's otherwise, and rank 0 logs a warning).
 
 Both functions are collective: every rank calls them. ``save_checkpoint`` gathers the RNG
 states, rank 0 serializes with ``torch.save`` and writes through
@@ -140,18 +143,23 @@ def save_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Modu
         _check_objects("save_checkpoint", model, optimizer, scheduler, rng)
         counters.update(epoch=_core.counter(epoch, "save_checkpoint", "epoch"),
                         step=_core.counter(step, "save_checkpoint", "step"))
+        own = _per_rank(optimizer)
         return {"root_rank": _core.root_of(root_rank, "save_checkpoint", process_set), "rng": bool(rng),
-                **_given(model, optimizer, scheduler), "_rng": rng_state() if rng else None}
+                **_given(model, optimizer, scheduler), "per-rank optimizer state": own,
+                "_rng": rng_state() if rng else None, "_optimizer": optimizer.state_dict() if own else None}
 
     every = _core.agree("save_checkpoint", describe, process_set)
     root_rank = every[0]["root_rank"]
     rngs = [_as_lists(d["_rng"]) for d in every] if rng else None
+    # (Adasum: each rank's own optimizer state, in the set's rank order)
+    optimizers = [d["_optimizer"] for d in every] if every[0]["per-rank optimizer state"] else None
 
     def data(f):  # the root gathers the state in here: a failure is reported on every rank
         state = {
             "format": FORMAT, "size": process_set.size(), **counters,
             "model": model.state_dict() if model is not None else None,
             "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "optimizer_per_rank": optimizers,
             "optimizer_class": _class_name(optimizer) if optimizer is not None else None,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "scheduler_class": _class_name(scheduler) if scheduler is not None else None,
@@ -215,8 +223,13 @@ def load_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Modu
     given = [(what, obj) for what, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler))
              if obj is not None]
     error = None
+    per_rank = None
     try:  # before anything is loaded, on every rank's own objects: a refused file changes nothing
         state = _read(path, data, map_location, weights_only)
+        per_rank = state.get("optimizer_per_rank")
+        if per_rank is not None and _per_rank(optimizer) and len(per_rank) == process_set.size():
+            # (Adasum: this rank's own; any other optimizer keeps rank 0's, or the replicas would part)
+            state["optimizer"] = per_rank[process_set.rank()]
         _check_fits(path, state, given, model, optimizer)
     except Exception as exc:  # (the same bytes everywhere, but each rank its own objects)
         error = exc
@@ -234,6 +247,10 @@ def load_checkpoint(path: Union[str, os.PathLike], model: Optional[torch.nn.Modu
             break
     _core.all_succeeded("load_checkpoint", path, error, "this rank loaded it, so the replicas now differ: "
                         "give every rank the same model and optimizer, and load again", process_set)
+    if (_per_rank(optimizer) and per_rank is not None and len(per_rank) != process_set.size()
+            and process_set.rank() == 0):
+        log.warning("checkpoint %r holds the optimizer states of %d ranks (op=Adasum keeps one per rank), "
+                    "this job has %d: every rank loaded rank 0's.", path, len(per_rank), process_set.size())
     if rng and state["rng"] is not None:
         if len(state["rng"]) == process_set.size():
             set_rng_state(state["rng"][process_set.rank()])
@@ -271,6 +288,15 @@ def _class_name(obj: Any) -> str:
     if isinstance(inner, (list, tuple)) and inner:
         return f"{type(obj).__name__}({', '.join(_class_name(s) for s in inner)})"
     return type(obj).__name__
+
+
+def _per_rank(optimizer: Any) -> bool:
+    """Whether ``optimizer`` keeps state that differs between ranks: a ``DistributedOptimizer`` with
+    ``op=Adasum`` runs the wrapped update on each rank's own gradients (its momentum and moments
+    are that rank's), so rank 0's state alone would resume every rank with rank 0's."""
+    from .adasum import _DistributedAdasumOptimizer
+
+    return isinstance(optimizer, _DistributedAdasumOptimizer) and bool(getattr(optimizer, "_hvddp_active", False))
 
 
 def _given(model: Any, optimizer: Any, scheduler: Any) -> Dict[str, bool]:
