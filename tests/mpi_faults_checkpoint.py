@@ -278,6 +278,18 @@ np.random.seed(99)
 torch_checkpoint.load_checkpoint(counted, map_location="meta")  # (meta: a device that is not the CPU)
 assert torch.equal(torch.rand(3), want[0]) and np.array_equal(np.random.rand(3), want[1])
 
+# A torn file (a copy cut short, an empty file) says so and what to do (it said "EOFError: " or
+# "ValueError: negative seek value -892" and no more)
+whole = open(good, "rb").read()
+for cut, name in ((len(whole) // 2, "torn.pt"), (0, "empty.pt")):
+    if rank == 0:
+        with open(os.path.join(directory, name), "wb") as f:
+            f.write(whole[:cut])
+    hvddp.barrier()
+    raises(checkpoint.CheckpointError, [name, f"({cut} bytes: empty, truncated or corrupt",
+                                        "move it away to start afresh, or load an earlier checkpoint"],
+           torch_checkpoint.load_checkpoint, os.path.join(directory, name), two)
+
 # op=Adasum keeps each rank's own optimizer state (it runs the update on the rank's own gradients):
 # every rank's is saved and each rank gets its own back (rank 0's momentum was loaded on every
 # rank, and a resumed job went on differently from the uninterrupted one)

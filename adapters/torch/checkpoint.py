@@ -43,6 +43,7 @@ import io
 import logging
 import os
 import random
+import zipfile
 from typing import Any, Dict, Optional, Union
 
 import numpy as np
@@ -311,7 +312,11 @@ def _read(path: str, data: bytes, map_location: Any, weights_only: bool) -> Dict
             raise ValueError(f"not written by hvddp.torch.checkpoint.save_checkpoint (format "
                              f"{state.get('format') if isinstance(state, dict) else type(state).__name__!r})")
     except Exception as exc:
-        raise _core.CheckpointError(f"checkpoint {path!r} cannot be loaded: {type(exc).__name__}: {exc}") from exc
+        why = f"{type(exc).__name__}: {exc}"
+        if not zipfile.is_zipfile(io.BytesIO(data)):  # (save_checkpoint writes torch.save's zip archive)
+            why = (f"it is not a whole torch.save archive ({len(data)} bytes: empty, truncated or corrupt; "
+                   f"{why}); move it away to start afresh, or load an earlier checkpoint")
+        raise _core.CheckpointError(f"checkpoint {path!r} cannot be loaded: {why}") from exc
     return state
 
 
