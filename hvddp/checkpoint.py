@@ -186,8 +186,9 @@ def _members(process_set: ProcessSet) -> List[int]:
 def agree(fn: str, describe: Callable[[], Dict[str, Any]], process_set: ProcessSet = global_process_set,
           ) -> List[Dict[str, Any]]:
     """Check that every rank called ``fn`` with valid arguments, and the same ones, before the call
-    does anything; collective (one small allgather, so a bad argument on one rank cannot leave the
-    others waiting in a later collective of the call).
+    does anything; collective (one allgather, so a bad argument on one rank cannot leave the
+    others waiting in a later collective of the call; small, unless ranks pass their own data
+    along: an Adasum optimizer's state reaches every rank through it).
 
     ``describe`` checks this rank's arguments (raising for a bad one) and returns a dict: entries
     whose key starts with ``_`` are this rank's own data passed along (its RNG states), the
