@@ -3,10 +3,14 @@ hvddp (TensorFlow), and a failed collective in a compiled step raises hvddp's ow
 
 Keras resolves ``"auto"`` to XLA on TensorFlow when a GPU is present, and XLA cannot compile
 the ``tf.numpy_function`` that reaches hvddp. The guard wraps ``Trainer._resolve_auto_jit_compile``
-so that, on the TensorFlow backend only and only for a model compiled with an hvddp optimizer,
-"auto" means no XLA. Every other model, and every other backend (JAX runs hvddp under
-``jax.jit`` through ``io_callback``), keeps Keras' choice. ``jit_compile=True`` is left alone and
-fails at trace time with an error that says what to do.
+so that, on the TensorFlow backend only, "auto" means no XLA for a model compiled with an hvddp
+optimizer, and for one whose class defines its own ``train_step``, ``test_step`` or
+``predict_step`` (where a ported Horovod script reduces with ``hvddp.tensorflow``'s
+``DistributedGradientTape`` or ``allreduce``: Keras 2, which Horovod ran on, never picked XLA by
+itself, so such a step failed on a GPU machine only, at its first batch). Every other model, and
+every other backend (JAX runs hvddp under ``jax.jit`` through ``io_callback``), keeps Keras'
+choice. ``jit_compile=True`` is left alone and fails at trace time with an error that says what
+to do. ``hvddp.keras`` and ``hvddp.tensorflow`` both install the guard when imported.
 """
 
 from __future__ import annotations
@@ -35,13 +39,24 @@ def install_auto_jit_guard() -> None:
     def _resolve_auto_jit_compile(self):
         from .optimizer import is_distributed
 
-        if keras.backend.backend() == "tensorflow" and is_distributed(getattr(self, "optimizer", None)):
+        if keras.backend.backend() == "tensorflow" and (is_distributed(getattr(self, "optimizer", None))
+                                                         or _own_step(self)):
             return False
         return original(self)
 
     _resolve_auto_jit_compile._hvddp_guard = True
     _resolve_auto_jit_compile.__wrapped__ = original
     _trainer.Trainer._resolve_auto_jit_compile = _resolve_auto_jit_compile
+
+
+def _own_step(model) -> bool:
+    """Whether ``model``'s class defines its own train, test or predict step (TensorFlow backend)."""
+    try:
+        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    except ImportError:  # pragma: no cover - a Keras laid out otherwise
+        return False
+    return any(getattr(type(model), step, None) is not getattr(TensorFlowTrainer, step, None)
+               for step in ("train_step", "test_step", "predict_step"))
 
 
 _TRAINER_CALLS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")

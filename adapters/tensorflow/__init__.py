@@ -45,6 +45,21 @@ from .ops import (allgather, allreduce, alltoall, broadcast, grouped_allgather, 
 # Horovod's TensorFlow package raises this name for every failed collective; scripts catch it by it
 HorovodInternalError = HvddpError
 
+
+def _install_keras_guards() -> None:
+    """Install ``hvddp.keras``' trainer guards: Keras' ``jit_compile="auto"`` then picks no XLA for
+    a model whose own ``train_step`` reduces with ``DistributedGradientTape`` (a Horovod port that
+    imports only this package), which XLA cannot compile. Keras 3 only; without it, nothing."""
+    try:
+        import keras
+    except ImportError:  # pragma: no cover - depends on the environment
+        return
+    if keras.__version__.startswith("3."):
+        import hvddp.keras  # noqa: F401  (installs them)
+
+
+_install_keras_guards()
+
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_built", "mpi_enabled", "nccl_built",

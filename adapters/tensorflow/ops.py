@@ -109,7 +109,8 @@ def _check_xla(fn: str) -> None:
             f"hvddp.tensorflow.{fn} cannot run inside an XLA-compiled function: hvddp's collectives "
             f"call into Python (tf.numpy_function), which XLA cannot compile. Compile the step "
             f"without XLA: tf.function(jit_compile=False), or model.compile(jit_compile=False) "
-            f"(jit_compile='auto' already turns XLA off for models with an hvddp optimizer).")
+            f"(jit_compile='auto' already turns XLA off for models with an hvddp optimizer or a "
+            f"train_step, test_step or predict_step of their own).")
 
 
 def _dense(tensor: Any, fn: str) -> tf.Tensor:
