@@ -286,9 +286,14 @@ def _check_config_agrees(comm, cfg) -> None:
             listed = ", ".join(f"rank {r}: {v!r} ({where or 'the default'})"
                                for r, (v, where) in enumerate(zip(values, read)))
             names = sorted({where for where in read if where}) or ["HVDDP_" + suffix]
+            from mpi4py import MPI
+            if "open mpi" in MPI.Get_library_version().lower():  # (-genv is hydra's: unknown to it)
+                how = (f"mpirun -x HVDDP_{suffix}=..., or hvddprun, which forwards HVDDP_* variables; "
+                       f"Open MPI passes an exported variable only to the ranks on the launching node")
+            else:
+                how = f"mpiexec -genv HVDDP_{suffix}=..., or export it before launching"
             raise ValueError(f"environment variable {' / '.join(names)} differs across ranks ({listed}); "
-                             f"every rank must use the same value. Set it for the whole job (mpiexec "
-                             f"-genv HVDDP_{suffix}=..., or export it before launching).")
+                             f"every rank must use the same value. Set it for the whole job ({how}).")
 
 
 def init(comm=None, process_sets: Union[None, str, Sequence[ProcessSet]] = None) -> None:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import re
+import subprocess
 
 from hvddp import config
-from mpirun import run, run_pytest
+from mpirun import mpiexec, run, run_pytest
 import mpi_faults_bad_config as bad
 
 
@@ -40,6 +41,12 @@ def test_engine_variables_that_differ_across_ranks_fail_on_every_rank(tmp_path):
         assert outcome.startswith("ValueError") and "HOROVOD_CMA_THRESHOLD / HVDDP_CMA_THRESHOLD " \
             "differs" in outcome, outcome
         assert "rank 0: 1000 (HVDDP_CMA_THRESHOLD), rank 1: 1001 (HOROVOD_CMA_THRESHOLD)" in outcome, outcome
+        # the fix in the launcher's own terms: hydra's -genv is an unknown option to Open MPI's
+        # mpirun, which also forwards no exported variable to ranks on other nodes
+        if "Open MPI" in subprocess.run([mpiexec(), "--version"], capture_output=True, text=True).stdout:
+            assert "mpirun -x HVDDP_CMA_THRESHOLD=..." in outcome and "-genv" not in outcome, outcome
+        else:
+            assert "mpiexec -genv HVDDP_CMA_THRESHOLD=..." in outcome, outcome
 
 
 def test_hypothesis_bad_input_numpy_core_and_torch_adapter():
