@@ -351,6 +351,7 @@ def test_allreduce_benchmark_runs_and_checks_its_results():
     out = run(2, [os.path.join(ROOT, "benchmarks", "allreduce.py"), "--rounds", "1", "--warmup", "0"],
               timeout=120).stdout
     out = re.sub(r"\[\d+\] ", "", out)  # mpiexec's rank prefixes (per chunk of output, not per line)
+    out = re.sub(r"^\[\d+,\d+\]<std(?:out|err)>: ?", "", out, flags=re.M)  # Open MPI's --tag-output, per line
     for label in ("200 x 100 KiB", "800 x 25 KiB", "ResNet-50 mix"):
         assert f"{label}: " in out and "checked against raw MPI" in out, out
     rows = re.findall(r"^\s+(raw per-array|raw hand-fused|contiguous|hvddp in place|hvddp|raw out of place)"

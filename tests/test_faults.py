@@ -336,7 +336,8 @@ def test_a_failure_one_rank_meets_before_its_mpi_call_ends_the_job():
 
 
 def test_a_process_set_the_mpi_library_cannot_make_fails_every_rank():
-    """MPICH makes about 2,000 communicators per process, one per registered process set: the
+    """MPICH makes about 2,000 communicators per process, one per registered process set (Open
+    MPI 65,532: the script takes most of them with raw MPI first, or 5,000 sets left it short): the
     add that finds none left stops the engine, and its call fails on every rank, naming the limit
     and the fix (before, the call waited for ever: the engine failed only what was still pending)."""
     result, elapsed = _timed(2, [SCRIPT, "communicators"], timeout=60)

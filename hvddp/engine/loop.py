@@ -345,8 +345,8 @@ class Engine:
             except BaseException as exc:  # (making a communicator failed: MPICH's ~2,000 at most)
                 self._fail_taken([entry for _, entry in set_changes[i:]], exc,
                                  "; every registered process set holds an MPI communicator, and an MPI "
-                                 "library makes a limited number (about 2,000 with MPICH): remove the "
-                                 "sets no longer used with remove_process_set()")
+                                 "library makes a limited number (about 2,000 with MPICH, 65,000 with Open "
+                                 "MPI): remove the sets no longer used with remove_process_set()")
                 raise
         if shutting_down:
             self._shutdown_collectively()
