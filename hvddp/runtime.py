@@ -198,12 +198,21 @@ def _state() -> _State:
 
 
 def _import_mpi():
+    global _singleton_cleanup_registered
     try:
         from mpi4py import MPI
     except ImportError as exc:
         raise BackendUnavailableError(
             "mpi4py is not importable: `pip install mpi4py mpich` (or build mpi4py against your "
             f"cluster's MPI). Original error: {exc}") from exc
+    if not _singleton_cleanup_registered and MPI.Is_initialized() and MPI.COMM_WORLD.Get_size() == 1:
+        # Open MPI leaks a singleton's 16 MiB shared-memory segment: removed at exit (where it is
+        # still mapped, MPI finalizing later), whichever call started MPI (init(), or mpi_built()
+        # in a script that never calls init()), also when init() raises (a bad HVDDP_* value)
+        from . import _faults
+
+        _singleton_cleanup_registered = True
+        atexit.register(_faults.remove_singleton_segments, MPI.Get_library_version())
     return MPI
 
 
@@ -314,7 +323,7 @@ def init(comm=None, process_sets: Union[None, str, Sequence[ProcessSet]] = None)
         LauncherMismatchError: the launcher said N > 1 processes but MPI says size 1.
         ValueError: an ``HVDDP_*`` variable has a bad value (named in the message).
     """
-    global _S, _atexit_registered, _singleton_cleanup_registered
+    global _S, _atexit_registered
     with _lock:
         if _S is not None:
             _refuse_late_sets(process_sets)
@@ -328,11 +337,6 @@ def init(comm=None, process_sets: Union[None, str, Sequence[ProcessSet]] = None)
         from . import _faults
 
         _faults.install(world)  # one rank's uncaught exception ends the job, even without -m mpi4py
-        if world.Get_size() == 1 and not _singleton_cleanup_registered:
-            # Open MPI leaks a singleton's 16 MiB shared-memory segment: removed at exit (where it
-            # is still mapped, MPI finalizing later), also when init() raises (a bad HVDDP_* value)
-            _singleton_cleanup_registered = True
-            atexit.register(_faults.remove_singleton_segments, MPI.Get_library_version())
         made = None  # a communicator made here from a list of ranks
         given = isinstance(comm, MPI.Comm)  # (its members alone call init: nothing on the world)
         every = None if given else _agree_on_world(world, comm, bad_env)  # None: the whole world
