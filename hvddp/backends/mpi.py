@@ -103,8 +103,8 @@ _FLOATS = ((MPI.DOUBLE, np.float64), (MPI.FLOAT, np.float32))
 _FLOAT_OPS = {ReduceOp.MIN: _numpy_op(ieee_minimum, _FLOATS), ReduceOp.MAX: _numpy_op(ieee_maximum, _FLOATS)}
 # Sums of 8- and 16-bit integers with numpy's ``add``, which wraps around on overflow as the
 # single-copy path, numpy and torch do. Open MPI 5's vectorized MPI_SUM saturates them instead
-# (255 + 1 = 255 in uint8, once an array is long enough for its vector code: 16 elements for the
-# 5.0.11 wheel), so an overflowing sum depended on the MPI
+# (255 + 1 = 255 in uint8, once an array is long enough for its vector code: 16 bytes for the
+# 5.0.11 wheel, so 8 elements of int16), so an overflowing sum depended on the MPI
 # library and on the array's length.
 _SMALL_INTS = ((MPI.INT8_T, np.int8), (MPI.UINT8_T, np.uint8), (MPI.INT16_T, np.int16))
 _SMALL_INT_SUM = _numpy_op(np.add, _SMALL_INTS)
