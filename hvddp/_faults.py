@@ -36,7 +36,7 @@ import time
 import traceback
 from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["install", "installed", "world_broken", "STATUS_DIR_VARIABLE", "rank_monitor", "report", "remove_leaked_shm"]
+__all__ = ["install", "installed", "world_broken", "world_restored", "STATUS_DIR_VARIABLE", "rank_monitor", "report", "remove_leaked_shm"]
 
 # Private channel from hvddprun to its ranks (not a user setting, so not in config.py).
 STATUS_DIR_VARIABLE = "HVDDP_RUNNER_STATUS_DIR"
@@ -126,6 +126,14 @@ def world_broken(reason: str) -> None:
     global _broken
     if _installed and _broken is None:
         _broken = reason
+
+
+def world_restored() -> None:
+    """Forget an earlier ``world_broken``: every rank of the world has since met in a collective
+    (``hvddp.init()`` again after the error), so none is stuck where ``MPI_Finalize`` would wait
+    for it, and a job that recovered must not be aborted at its exit."""
+    global _broken
+    _broken = None
 
 
 def _at_exit(world) -> None:

@@ -443,6 +443,10 @@ def init(comm=None, process_sets: Union[None, str, Sequence[ProcessSet]] = None)
         if state.rank == 0:
             _log_start(state, MPI)
         _S = state
+        if not given or state.size == world.Get_size():
+            # every rank of the world met in init()'s collectives: an earlier fatal error (a stall
+            # the script caught, shutdown(), init() again) no longer leaves any rank stuck
+            _faults.world_restored()
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True

@@ -285,6 +285,19 @@ def test_stall_shutdown_raises_on_every_rank_naming_tensors_and_ranks(warning, p
     assert elapsed < 10, f"took {elapsed:.1f} s\n{out}"
 
 
+def test_a_job_that_recovers_from_a_stall_by_init_again_exits_cleanly():
+    """Every rank catches the StallError, calls shutdown() and init() again, and finishes: the
+    job must exit 0. The stall had marked the world broken, and the exit aborted the job anyway
+    (exit 1, "aborting the job ... instead of finalizing MPI") although every rank had met since."""
+    env = {"HVDDP_STALL_CHECK_TIME_SECONDS": "1", "HVDDP_STALL_SHUTDOWN_TIME_SECONDS": "2"}
+    result, elapsed = _timed(2, [SCRIPT, "skip_reinit"], env=env, timeout=60)
+    out = result.stdout
+    assert "rank 0: STALLERROR" in out and "rank 1: STALLERROR" in out, out
+    assert "rank 0: finished" in out and "rank 1: finished" in out, out
+    assert "aborting the job" not in out and result.returncode == 0, out
+    assert elapsed < 15, f"took {elapsed:.1f} s\n{out}"
+
+
 def _engine_reports_broken_world() -> bool:
     # (read, not imported: importing the engine loads MPI into this process, which Open MPI
     # then aborts with exit code 14 once an earlier test loaded it uninitialized)

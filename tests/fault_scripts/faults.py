@@ -16,6 +16,8 @@ Modes (rank 1 misbehaves at step 3 while rank 0 waits in a collective):
   skip_cached  rank 0 submits a name rank 1 never does, while both keep running a cached one
   slow      rank 1 sleeps 3 s before step 3's allreduce
   stuck     rank 1 sleeps 600 s before step 3's allreduce (stuck in its own code)
+  skip_reinit  as skip; every rank catches the StallError, shuts down, calls init() again and
+            finishes (exit 0)
 --install calls hvddp._faults.install() explicitly (hvddp.init() does it once wired).
 """
 
@@ -131,7 +133,7 @@ try:
                 os._exit(0)
             if mode == "exit3":
                 os._exit(3)
-            if mode == "skip":
+            if mode in ("skip", "skip_reinit"):
                 continue
             if mode == "slow":
                 time.sleep(3)
@@ -145,5 +147,10 @@ try:
         assert out.tolist() == [float(sum(r + step for r in range(size)))] * 4, out
 except hvddp.StallError as exc:
     say(f"rank {rank}: STALLERROR after {time.monotonic() - start:.1f} s: {exc}")
-    sys.exit(3)
+    if mode != "skip_reinit":
+        sys.exit(3)
+    hvddp.shutdown()
+    hvddp.init()
+    out = hvddp.allreduce(np.ones(4), name="after.reinit", op=hvddp.Sum)
+    assert out.tolist() == [float(size)] * 4, out
 say(f"rank {rank}: finished")
