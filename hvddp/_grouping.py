@@ -52,20 +52,21 @@ def check_same_lists(name: str, labels: Sequence[str], shapes: Sequence[tuple], 
     mine = [(label, tuple(int(d) for d in shape), str(dtype))
             for label, shape, dtype in zip(labels, shapes, dtypes)]
     every = hvddp.allgather_object(mine, name=name, process_set=process_set)
-    for rank, theirs in enumerate(every):
-        message = _describe(every[0], theirs, rank, broadcast)
+    ranks = process_set.ranks or list(range(hvddp.size()))  # errors name global ranks, not positions in the set
+    for rank, theirs in zip(ranks, every):
+        message = _describe(every[0], theirs, rank, broadcast, ranks[0])
         if message:
             raise hvddp.MismatchError(message)
 
 
-def _describe(first: list, other: list, rank: int, broadcast: str = "") -> str:
-    """What differs between rank 0's list and ``rank``'s (shapes and dtypes), or ''."""
+def _describe(first: list, other: list, rank: int, broadcast: str = "", first_rank: int = 0) -> str:
+    """What differs between ``first_rank``'s list and ``rank``'s (shapes and dtypes), or ''."""
     if len(first) != len(other):
         names0, names1 = [entry[0] for entry in first], [entry[0] for entry in other]
         only = [f"only rank {r} has {', '.join(repr(n) for n in extra)}"
-                for r, extra in ((0, [n for n in names0 if n not in names1]),
+                for r, extra in ((first_rank, [n for n in names0 if n not in names1]),
                                  (rank, [n for n in names1 if n not in names0])) if extra]
-        counts = (f"rank 0 has {len(first)}, rank {rank} has {len(other)}"
+        counts = (f"rank {first_rank} has {len(first)}, rank {rank} has {len(other)}"
                   f"{' (' + '; '.join(only) + ')' if only else ''}. Every rank must build the same model "
                   f"and pass the same variables")
         if broadcast:
@@ -75,7 +76,7 @@ def _describe(first: list, other: list, rank: int, broadcast: str = "") -> str:
     for i, ((l0, s0, d0), (l1, s1, d1)) in enumerate(zip(first, other)):
         if (s0, d0) != (s1, d1):
             return (f"{broadcast + ': ' if broadcast else ''}tensor lists differ across ranks at position "
-                    f"{i}: rank 0 has {l0!r} {s0} {d0}, rank {rank} has {l1!r} {s1} {d1}. Every rank must "
+                    f"{i}: rank {first_rank} has {l0!r} {s0} {d0}, rank {rank} has {l1!r} {s1} {d1}. Every rank must "
                     f"build the same model.")
     return ""
 

@@ -204,4 +204,22 @@ else:
     raise AssertionError("a second init() ignored an unregistered process set")
 hvddp.init(process_sets=[evens])
 assert late.process_set_id is None and hvddp.add_process_set(late).size() == 2
+
+# 10. the list check of hvddp.keras' and hvddp.tensorflow's broadcast_variables and gradient
+# reductions names global ranks on a set: on the set [1, 2] it said "rank 0 has ..., rank 1 has ..."
+from hvddp import _grouping
+
+tail = hvddp.add_process_set([1, 2])
+if tail.included():
+    for counts in ((1, 1), (1, 2)):  # a shape that differs; a variable more on rank 2
+        n = counts[rank - 1]
+        try:
+            _grouping.check_same_lists("check.lists", ["v", "w"][:n], [(rank, 2)] * n, ["float32"] * n, tail,
+                                       broadcast="broadcast_variables")
+        except hvddp.MismatchError as exc:
+            assert ("rank 1 has 'v' (1, 2) float32, rank 2 has 'v' (2, 2) float32" if counts == (1, 1)
+                    else "rank 1 has 1, rank 2 has 2 (only rank 2 has 'w')") in str(exc), exc
+        else:
+            raise AssertionError("lists that differ passed")
+hvddp.remove_process_set(tail)
 print("sets ok", flush=True)
