@@ -36,11 +36,13 @@ def rows_here(rows: int, size: int, rank: int) -> int:
 
 
 def check_same_lists(name: str, labels: Sequence[str], shapes: Sequence[tuple], dtypes: Sequence[str],
-                     process_set: Any, broadcast: str = "") -> None:
+                     process_set: Any, broadcast: str = "", root_rank: Any = None) -> None:
     """Check that every rank passes as many tensors, of the same shapes and dtypes, in order.
 
     ``broadcast``: the broadcasting function checking its variables (named in the message), or
-    '' for a gradient reduction.
+    '' for a gradient reduction. Its ``root_rank`` is checked here too, on every rank at once: a
+    rank that refused it only at its first broadcast raised there alone, and left the others
+    waiting for the rest of the broadcasts.
 
     Collective: one small ``allgather_object`` named ``name``. Labels (variable paths) only
     name the tensors in the message: Keras numbers its layers per process (``dense_1`` on a rank
@@ -48,11 +50,29 @@ def check_same_lists(name: str, labels: Sequence[str], shapes: Sequence[tuple], 
 
     Raises:
         hvddp.MismatchError: the lists differ; the message names the first difference.
+        TypeError, ValueError: ``root_rank`` is not a member of ``process_set`` on this rank
+            (``hvddp.MismatchError`` on the others, naming it).
     """
     mine = [(label, tuple(int(d) for d in shape), str(dtype))
             for label, shape, dtype in zip(labels, shapes, dtypes)]
-    every = hvddp.allgather_object(mine, name=name, process_set=process_set)
+    problem = None
+    if broadcast and root_rank is not None:
+        view = hvddp.ops._process_set(process_set, broadcast)[1]  # (outside the set: raised naming it)
+        try:
+            hvddp.ops._root(broadcast, root_rank, view, process_set)
+        except (TypeError, ValueError) as exc:
+            problem = exc
+    every = hvddp.allgather_object((mine, None if problem is None else str(problem)), name=name,
+                                   process_set=process_set)
     ranks = process_set.ranks or list(range(hvddp.size()))  # errors name global ranks, not positions in the set
+    if problem is not None:
+        raise problem
+    refused = next(((r, why) for r, (_, why) in zip(ranks, every) if why is not None), None)
+    if refused is not None:
+        why = refused[1][len(broadcast) + 2:] if refused[1].startswith(f"{broadcast}: ") else refused[1]
+        raise hvddp.MismatchError(f"{broadcast}: rank {refused[0]} refused its root_rank ({why}); no rank "
+                                  f"broadcasts. Pass a root_rank in the set, the same on every rank.")
+    every = [theirs for theirs, _ in every]
     for rank, theirs in zip(ranks, every):
         message = _describe(every[0], theirs, rank, broadcast, ranks[0])
         if message:

@@ -221,5 +221,16 @@ if tail.included():
                     else "rank 1 has 1, rank 2 has 2 (only rank 2 has 'w')") in str(exc), exc
         else:
             raise AssertionError("lists that differ passed")
+    # and a root_rank outside the set on one rank only raises on both (rank 1 refused it at its first
+    # broadcast alone, and rank 2 waited for ever for the rest)
+    try:
+        _grouping.check_same_lists("check.root", ["v"], [(2,)], ["float32"], tail, broadcast="broadcast_variables",
+                                   root_rank=0 if rank == 1 else 2)
+    except (ValueError, hvddp.MismatchError) as exc:
+        assert type(exc) is (ValueError if rank == 1 else hvddp.MismatchError), repr(exc)
+        assert "root_rank is a global rank" in str(exc) and "got 0." in str(exc), exc
+        assert str(exc).startswith("broadcast_variables: " + ("root_rank" if rank == 1 else "rank 1 refused")), exc
+    else:
+        raise AssertionError("a root_rank outside the set passed")
 hvddp.remove_process_set(tail)
 print("sets ok", flush=True)

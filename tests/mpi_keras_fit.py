@@ -1569,6 +1569,13 @@ def test_callbacks_on_a_set_leave_ranks_outside_it_alone():
                 outside.on_train_begin()
         finally:
             hvd.remove_process_set(members)
+        # a root refused on one rank only raises on every rank (it raised there alone, and the
+        # others waited in the callback's broadcasts for ever)
+        odd = hvd.callbacks.BroadcastGlobalVariablesCallback(SIZE if RANK == 0 else 0)
+        odd.set_model(make_model(seed=0, unused=False))
+        with pytest.raises(ValueError if RANK == 0 else hvd.MismatchError,
+                           match=rf"^broadcast_variables: (rank 0 refused its root_rank \()?root_rank .* got {SIZE}\."):
+            odd.on_train_begin()
         # by default the root is the set's first member (0 was refused for a set without rank 0)
         last = hvd.add_process_set([SIZE - 1])
         try:

@@ -307,10 +307,22 @@ def test_process_set():
             opt.param_groups[0]["lr"] = 0.5 * (R + 1)
             hvd.broadcast_optimizer_state(opt, 2, ps)  # hvddp's earlier positional order still works
             assert opt.param_groups[0]["lr"] == 0.5 * 3
+            # a root outside the set on one member only raises on both: rank 0 refused it at its first
+            # broadcast alone, and rank 2 waited for ever for the others
+            with pytest.raises(ValueError if R == 0 else hvd.MismatchError,
+                               match=r"^broadcast_parameters: (rank 0 refused its root_rank \()?root_rank is "
+                                     r"a global rank .* got 1\."):
+                hvd.broadcast_parameters(model.state_dict(), root_rank=1 if R == 0 else 2, process_set=ps)
+            hvd.broadcast_parameters(model.state_dict(), root_rank=2, process_set=ps)  # the next call meets
         else:  # named or not, the call says it is sparse_allreduce_async's (named, it said allgather)
             for name in ("sparse.outside", None):
                 with pytest.raises(ValueError, match=r"^sparse_allreduce_async: this rank \(1\) is not a member"):
                     hvd.sparse_allreduce_async(torch.eye(2).to_sparse(), name, hvd.Sum, ps)
+            model = torch.nn.Linear(2, 2)  # (they said allgather_object and broadcast_object)
+            with pytest.raises(ValueError, match=r"^broadcast_parameters: this rank \(1\) is not a member"):
+                hvd.broadcast_parameters(model.state_dict(), root_rank=2, process_set=ps)
+            with pytest.raises(ValueError, match=r"^broadcast_optimizer_state: this rank \(1\) is not a member"):
+                hvd.broadcast_optimizer_state(torch.optim.SGD(model.parameters(), lr=0.1), 2, process_set=ps)
     finally:
         hvd.remove_process_set(ps)
 

@@ -113,7 +113,10 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         optimizer = getattr(self.model, "optimizer", None)
         variables = shared_variables(self.model, optimizer, self._local)
         average_accumulators(optimizer, self.process_set, "keras.bcast_cb.accumulators")  # (between passes)
-        root = root_of(self.root_rank, type(self).__name__, self.process_set)
+        try:
+            root = root_of(self.root_rank, type(self).__name__, self.process_set)
+        except ValueError:  # not a member: broadcast_variables refuses it on every rank (raised
+            root = self.root_rank  # here on some ranks only, it left the others waiting in it)
         broadcast_variables(variables, root, process_set=self.process_set, prefix="keras.bcast_cb")
         self.broadcast_done = True
 

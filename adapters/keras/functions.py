@@ -212,7 +212,7 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int = 0,
     _grouping.check_same_lists(f"{prefix}.check", [getattr(v, "path", f"variable {i}") for i, v in
                                                    enumerate(variables)],
                                [a.shape for a in values], [a.dtype.name for a in values], process_set,
-                               broadcast="broadcast_variables")
+                               broadcast="broadcast_variables", root_rank=root_rank)
     handles = [hvddp.broadcast_async(_grouping.wire(value), root_rank, name=f"{prefix}.{i}", process_set=process_set)
                for i, value in enumerate(values)]
     for v, value, handle in zip(variables, values, handles):

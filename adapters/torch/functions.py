@@ -136,6 +136,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
                         f"{type(optimizer).__name__}.")
     if isinstance(model, ProcessSet):  # hvddp's earlier positional order (optimizer, root, set)
         process_set, model = model, None
+    hvddp.ops._process_set(process_set, "broadcast_optimizer_state")  # (outside it: raised naming this call)
     is_root = hvddp.rank() == root_rank  # a global rank, as in Horovod
     local = optimizer.state_dict()
     # state_dict numbers the parameters over the groups in order; a state tensor goes where its
@@ -217,16 +218,30 @@ def _check_like_the_root(mine: Any, root_rank: int, process_set: ProcessSet, fn:
     """Raise on every rank of ``process_set`` if some rank refused one of its tensors
     (``TensorArgumentError``, with that rank's ``refusal``) or if its ``mine`` is not the root's
     (``ValueError``: ``describe(root's, first other rank, its value)`` says how). A rank that
-    raised alone left the others waiting on broadcasts it never made."""
-    every = hvddp.allgather_object((mine, refusal), f"{fn}.check", process_set)
+    raised alone left the others waiting on broadcasts it never made. A ``root_rank`` that is
+    not a member of the set on some rank raises on every rank too (refused at that rank's first
+    broadcast, it left the others waiting for the rest)."""
+    view = hvddp.ops._process_set(process_set, fn)[1]  # (a rank outside the set: raised naming fn)
+    try:
+        hvddp.ops._root(fn, root_rank, view, process_set)
+        bad_root = None
+    except (TypeError, ValueError) as exc:
+        bad_root = exc
+    every = hvddp.allgather_object((mine, refusal, None if bad_root is None else str(bad_root)),
+                                   f"{fn}.check", process_set)
     ranks = process_set.ranks or list(range(hvddp.size()))
-    refused = [(r, why) for r, (_, why) in zip(ranks, every) if why is not None]
+    refused = [(r, why) for r, (_, why, _) in zip(ranks, every) if why is not None]
     if refused:
         raise TensorArgumentError(f"rank {refused[0][0]}: {refused[0][1]}" if hvddp.rank() != refused[0][0]
                                   else refused[0][1])
-    every = [m for m, _ in every]
-    if root_rank not in ranks:
-        return  # the broadcast itself names the bad root_rank
+    if bad_root is not None:
+        raise bad_root
+    bad = next(((r, why) for r, (_, _, why) in zip(ranks, every) if why is not None), None)
+    if bad is not None:
+        why = bad[1][len(fn) + 2:] if bad[1].startswith(f"{fn}: ") else bad[1]
+        raise hvddp.MismatchError(f"{fn}: rank {bad[0]} refused its root_rank ({why}); no rank broadcasts. "
+                                  f"Pass a root_rank in the set, the same on every rank.")
+    every = [m for m, _, _ in every]
     root = every[ranks.index(root_rank)]
     differ = [(r, theirs) for r, theirs in zip(ranks, every) if theirs != root]
     if differ:
