@@ -144,6 +144,20 @@ except hvddp.MismatchError as exc:
 else:
     raise AssertionError("an add on rank 0 paired with a remove on the others")
 hvddp.remove_process_set(gone)
+# removals (or adds) that name different sets: named by their ranks (it said "process set id differs
+# across ranks: rank 0 (2,), rank 1 (3,), rank 2 (3,)", ids a script never sees)
+one, two = hvddp.add_process_set([0, 2]), hvddp.add_process_set([1, 2])
+for call, shown in ((lambda: hvddp.remove_process_set(one if rank == 0 else two),
+                     f"rank 0 the set of [0, 2] (id {one.process_set_id}), rank 1 the set of [1, 2] (id "),
+                    (lambda: hvddp.add_process_set([0, 1] if rank == 0 else [0, 2]), "rank 0 [0, 1], rank 1 [0, 2]")):
+    try:
+        call()
+    except hvddp.MismatchError as exc:
+        assert shown in str(exc) and "the same process sets, in the same order" in str(exc), exc
+    else:
+        raise AssertionError("calls naming different sets passed")
+hvddp.remove_process_set(one)
+hvddp.remove_process_set(two)
 
 # 6b. a set's collectives do not wait on a rank outside it that calls nothing: every cycle is
 # world-wide, and the idle outsider slept 50 ms between its cycles (54 ms per allreduce on [1, 2])

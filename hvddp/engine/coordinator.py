@@ -386,6 +386,12 @@ class Coordinator:
             hint = ""
             if field == "root rank":  # requests carry the set's index; users pass global ranks
                 values = {r: ps.ranks[v] if 0 <= v < len(ps.ranks) else v for r, v in values.items()}
+            elif field in ("ranks", "process set id") and len(set(values.values())) > 1:
+                # the sets as users know them: by their ranks (an id alone, "(2,)", named none)
+                values = {r: (f"{list(v)}" if field == "ranks" else
+                              f"the set of {list(self.process_sets[v[0]].ranks)} (id {v[0]})"
+                              if v[0] in self.process_sets else f"id {v[0]}") for r, v in values.items()}
+                hint = "; every rank must add and remove the same process sets, in the same order"
             elif field == "group" and len(set(values.values())) == 1 and len({q.group for _, q in requests}) > 1:
                 # groups of one size with other members (whose names differ): the ids tell them apart
                 values = {r: f"{v} (id {q.group[0]})" for (r, q), v in zip(requests, values.values())}
