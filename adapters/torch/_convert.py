@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -132,6 +133,10 @@ def target(tensor: torch.Tensor) -> Tuple[Any, Optional[Callable[[], None]]]:
     return as_numpy(staged), lambda: tensor.data.copy_(staged)
 
 
+# held while a handle converts its result (short: no waiting on collectives inside)
+_FINISHING = threading.Lock()
+
+
 class Handle:
     """The pending result of a torch collective; pass it to ``synchronize`` or ``poll``.
 
@@ -157,13 +162,18 @@ class Handle:
         return self._done or all(h.done() for h in self._handles)
 
     def wait(self, timeout: Optional[float] = None) -> Any:
-        """Block until done and return the torch result; raise the collective's error."""
+        """Block until done and return the torch result; raise the collective's error.
+
+        Threads may wait on one handle together (as on the core's): the first one through
+        converts the result, and every waiter returns that same result."""
         if not self._done:
             results = [h.wait(timeout) for h in self._handles]
-            self._result = self._finish(results)
-            self._done = True
-            self._handles = []
-            self._finish = None
+            with _FINISHING:  # (a second waiter used to call the finisher the first had cleared)
+                if not self._done:
+                    self._result = self._finish(results)
+                    self._done = True
+                    self._handles = []
+                    self._finish = None
         return self._result
 
     def __call__(self) -> Any:
