@@ -1219,12 +1219,27 @@ def test_a_compressor_that_compresses_in_place_is_decompressed():
 
 
 def test_a_complex_parameter_is_refused_by_name():
-    """(it failed inside backward(), naming no parameter and suggesting a numpy cast)"""
+    """(it failed inside backward(), naming no parameter and suggesting a numpy cast; so it still
+    did with op=Adasum, and for a group added after wrapping)"""
     model = torch.nn.Linear(2, 2)
     model.register_parameter("phase", torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64)))
-    with pytest.raises(TypeError, match=r"parameter 'phase' is torch.complex64.*torch.view_as_real"):
-        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                 named_parameters=model.named_parameters())
+    for op in (hvd.Average, hvd.Adasum):
+        with pytest.raises(TypeError, match=r"parameter 'phase' is torch.complex64.*torch.view_as_real"):
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters(), op=op)
+    for op in (hvd.Average, hvd.Adasum) if N & (N - 1) == 0 else (hvd.Average,):  # (Adasum: 2^k ranks)
+        w = torch.nn.Parameter(torch.ones(2))
+        z = torch.nn.Parameter(torch.ones(2, dtype=torch.complex64))
+        plain = torch.optim.SGD([w], lr=0.1)
+        opt = hvd.DistributedOptimizer(plain, named_parameters=[("w", w)], op=op)
+        with pytest.raises(TypeError, match=r"parameter 'noname.1.0' \(of a parameter group added after "
+                                            r"wrapping\) is torch.complex64.*torch.view_as_real"):
+            opt.add_param_group({"params": [z]})
+        assert len(opt.param_groups) == 1  # (not added)
+        plain.add_param_group({"params": [z]})  # on the wrapped optimizer: refused at step()
+        (w * (R + 1.0)).sum().backward()
+        with pytest.raises(TypeError, match=r"parameter 'noname.1.0' \(of a parameter group added"):
+            opt.step()
 
 
 def _pair(kind="sgd", **kwargs):

@@ -42,6 +42,16 @@ def check_passes(passes: Any) -> None:
         raise ValueError(f"`backward_passes_per_step` must be >= 1, got {passes}.")
 
 
+def check_real(params, names, where: str = "") -> None:
+    """Refuse a complex parameter by name (TypeError): the core reduces real tensors only, and
+    without this check its refusal came from inside backward(), naming no parameter."""
+    bad = next((p for p in params if p.is_complex()), None)
+    if bad is not None:
+        raise TypeError(f"DistributedOptimizer: parameter {names[bad]!r}{where} is {bad.dtype}; hvddp reduces "
+                        f"real tensors only. Keep the parameter real (torch.view_as_real(p) as the "
+                        f"parameter, torch.view_as_complex(p) where the model uses it).")
+
+
 def weak_hook(optimizer) -> Callable[[torch.Tensor], None]:
     ref = weakref.ref(optimizer)
 
@@ -112,14 +122,20 @@ class WrapperCommon:
         super().add_param_group(param_group)
         if not hasattr(self, "_hvddp_names"):
             return  # called from the wrapped class's __init__, before set-up
-        self._hvddp_adopt_group(len(self.param_groups) - 1)
+        try:
+            self._hvddp_adopt_group(len(self.param_groups) - 1)
+        except TypeError:  # (a complex parameter: the group is not added)
+            self.param_groups.pop()
+            raise
 
     def _hvddp_adopt_group(self, gi: int) -> None:
         """Name and take on the parameters of ``param_groups[gi]`` not seen before."""
-        for j, p in enumerate(self.param_groups[gi]["params"]):
-            if p not in self._hvddp_names:
-                self._hvddp_names[p] = f"noname.{gi}.{j}"
-                self._hvddp_added(p)
+        new = {p: f"noname.{gi}.{j}" for j, p in enumerate(self.param_groups[gi]["params"])
+               if p not in self._hvddp_names}
+        check_real(new, new, " (of a parameter group added after wrapping)")
+        for p, name in new.items():
+            self._hvddp_names[p] = name
+            self._hvddp_added(p)
 
     def _hvddp_follow_wrapped(self) -> None:
         """Catch up with calls made on the wrapped optimizer after wrapping: its

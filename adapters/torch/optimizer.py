@@ -39,7 +39,7 @@ from hvddp.ops import _op as _check_op
 
 from ._convert import as_numpy
 from ._sparse import sparse_rows_async
-from ._wrapper import WrapperCommon, check_passes, remove_hooks, too_many_passes, weak_hook
+from ._wrapper import WrapperCommon, check_passes, check_real, remove_hooks, too_many_passes, weak_hook
 from .adasum import _DistributedAdasumOptimizer, check_adasum_set
 from .compression import Compression, Compressor, native
 from .mpi_ops import allreduce, allreduce_async_, grouped_allreduce_async_
@@ -233,12 +233,7 @@ class _DistributedOptimizer(WrapperCommon):
         params = [p for group in self.param_groups for p in group["params"]]
         self._hvddp_count = len(params)  # (see _hvddp_follow_wrapped)
         self._hvddp_names = parameter_names(self.param_groups, named_parameters)
-        complex_ = [p for p in params if p.is_complex()]
-        if complex_:
-            raise TypeError(f"DistributedOptimizer: parameter {self._hvddp_names[complex_[0]]!r} is "
-                            f"{complex_[0].dtype}; hvddp reduces real tensors only. Keep the parameter real "
-                            f"(torch.view_as_real(p) as the parameter, torch.view_as_complex(p) where the "
-                            f"model uses it).")
+        check_real(params, self._hvddp_names)
         index = next(_instances.setdefault(process_set, itertools.count()))
         self._hvddp_prefix = "grad." if index == 0 else f"grad{index}."
         self._hvddp_compression = compression
@@ -804,6 +799,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                              if k not in ("step", "zero_grad")})
     if adasum:
         names = parameter_names(wrapper.param_groups, named_parameters)
+        check_real(names, names)
         check_adasum_set(names, process_set)
         wrapper._hvddp_adasum_setup(names, compression, backward_passes_per_step, process_set,
                                     next(_instances.setdefault(process_set, itertools.count())))
