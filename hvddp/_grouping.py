@@ -40,9 +40,8 @@ def check_same_lists(name: str, labels: Sequence[str], shapes: Sequence[tuple], 
     """Check that every rank passes as many tensors, of the same shapes and dtypes, in order.
 
     ``broadcast``: the broadcasting function checking its variables (named in the message), or
-    '' for a gradient reduction. Its ``root_rank`` is checked here too, on every rank at once: a
-    rank that refused it only at its first broadcast raised there alone, and left the others
-    waiting for the rest of the broadcasts.
+    '' for a gradient reduction. Its ``root_rank`` is checked here too, on every rank at once
+    (``root_refusal``).
 
     Collective: one small ``allgather_object`` named ``name``. Labels (variable paths) only
     name the tensors in the message: Keras numbers its layers per process (``dense_1`` on a rank
@@ -55,28 +54,43 @@ def check_same_lists(name: str, labels: Sequence[str], shapes: Sequence[tuple], 
     """
     mine = [(label, tuple(int(d) for d in shape), str(dtype))
             for label, shape, dtype in zip(labels, shapes, dtypes)]
-    problem = None
-    if broadcast and root_rank is not None:
-        view = hvddp.ops._process_set(process_set, broadcast)[1]  # (outside the set: raised naming it)
-        try:
-            hvddp.ops._root(broadcast, root_rank, view, process_set)
-        except (TypeError, ValueError) as exc:
-            problem = exc
+    problem = root_refusal(broadcast, root_rank, process_set) if broadcast and root_rank is not None else None
     every = hvddp.allgather_object((mine, None if problem is None else str(problem)), name=name,
                                    process_set=process_set)
     ranks = process_set.ranks or list(range(hvddp.size()))  # errors name global ranks, not positions in the set
-    if problem is not None:
-        raise problem
-    refused = next(((r, why) for r, (_, why) in zip(ranks, every) if why is not None), None)
-    if refused is not None:
-        why = refused[1][len(broadcast) + 2:] if refused[1].startswith(f"{broadcast}: ") else refused[1]
-        raise hvddp.MismatchError(f"{broadcast}: rank {refused[0]} refused its root_rank ({why}); no rank "
-                                  f"broadcasts. Pass a root_rank in the set, the same on every rank.")
+    raise_root_refusals(broadcast, problem, [why for _, why in every], ranks)
     every = [theirs for theirs, _ in every]
     for rank, theirs in zip(ranks, every):
         message = _describe(every[0], theirs, rank, broadcast, ranks[0])
         if message:
             raise hvddp.MismatchError(message)
+
+
+def root_refusal(fn: str, root_rank: Any, process_set: Any) -> Optional[Exception]:
+    """This rank's refusal of ``root_rank`` for ``fn`` (not a member of ``process_set``), or None.
+
+    Exchanged before any broadcast (``raise_root_refusals``): a rank that refused it only at its
+    first broadcast raised there alone, and left the others waiting for the rest. A rank outside
+    the set raises here, naming ``fn``."""
+    view = hvddp.ops._process_set(process_set, fn)[1]
+    try:
+        hvddp.ops._root(fn, root_rank, view, process_set)
+    except (TypeError, ValueError) as exc:
+        return exc
+    return None
+
+
+def raise_root_refusals(fn: str, mine: Optional[Exception], whys: Sequence[Optional[str]],
+                        ranks: Sequence[int]) -> None:
+    """Raise this rank's own ``root_refusal``, or ``MismatchError`` naming the first rank whose
+    refusal (``whys``, every rank's message in ``ranks``' order) was exchanged; else nothing."""
+    if mine is not None:
+        raise mine
+    bad = next(((r, why) for r, why in zip(ranks, whys) if why is not None), None)
+    if bad is not None:
+        why = bad[1][len(fn) + 2:] if bad[1].startswith(f"{fn}: ") else bad[1]
+        raise hvddp.MismatchError(f"{fn}: rank {bad[0]} refused its root_rank ({why}); no rank broadcasts. "
+                                  f"Pass a root_rank in the set, the same on every rank.")
 
 
 def _describe(first: list, other: list, rank: int, broadcast: str = "", first_rank: int = 0) -> str:

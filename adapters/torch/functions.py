@@ -8,7 +8,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 import torch
 
 import hvddp
-from hvddp import ProcessSet, global_process_set
+from hvddp import ProcessSet, _grouping, global_process_set
 
 from ._convert import TensorArgumentError, check_tensor
 from .mpi_ops import broadcast_async_, synchronize
@@ -221,12 +221,7 @@ def _check_like_the_root(mine: Any, root_rank: int, process_set: ProcessSet, fn:
     raised alone left the others waiting on broadcasts it never made. A ``root_rank`` that is
     not a member of the set on some rank raises on every rank too (refused at that rank's first
     broadcast, it left the others waiting for the rest)."""
-    view = hvddp.ops._process_set(process_set, fn)[1]  # (a rank outside the set: raised naming fn)
-    try:
-        hvddp.ops._root(fn, root_rank, view, process_set)
-        bad_root = None
-    except (TypeError, ValueError) as exc:
-        bad_root = exc
+    bad_root = _grouping.root_refusal(fn, root_rank, process_set)
     every = hvddp.allgather_object((mine, refusal, None if bad_root is None else str(bad_root)),
                                    f"{fn}.check", process_set)
     ranks = process_set.ranks or list(range(hvddp.size()))
@@ -234,13 +229,7 @@ def _check_like_the_root(mine: Any, root_rank: int, process_set: ProcessSet, fn:
     if refused:
         raise TensorArgumentError(f"rank {refused[0][0]}: {refused[0][1]}" if hvddp.rank() != refused[0][0]
                                   else refused[0][1])
-    if bad_root is not None:
-        raise bad_root
-    bad = next(((r, why) for r, (_, _, why) in zip(ranks, every) if why is not None), None)
-    if bad is not None:
-        why = bad[1][len(fn) + 2:] if bad[1].startswith(f"{fn}: ") else bad[1]
-        raise hvddp.MismatchError(f"{fn}: rank {bad[0]} refused its root_rank ({why}); no rank broadcasts. "
-                                  f"Pass a root_rank in the set, the same on every rank.")
+    _grouping.raise_root_refusals(fn, bad_root, [why for _, _, why in every], ranks)
     every = [m for m, _, _ in every]
     root = every[ranks.index(root_rank)]
     differ = [(r, theirs) for r, theirs in zip(ranks, every) if theirs != root]
