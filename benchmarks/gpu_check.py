@@ -31,7 +31,8 @@ Sections (each guarded: one failure does not hide the rest):
              dtype with rank-dependent inputs (exact), broadcast/allgather/alltoall/reducescatter
   public API tests/mpi_gpu_wired.py at np=1 and np=2: hvddp's collectives on CuPy arrays through
              the engine (every dtype, in place on strided views, aliased inputs, 0-d broadcast,
-             uneven allgather, alltoall, reducescatter, Adasum, a device mismatch across ranks)
+             uneven allgather, alltoall, reducescatter, Adasum, a device mismatch across ranks),
+             under a timeline whose spans must all close
   torch ops  hvddp.torch collectives on CUDA tensors at np=1 and np=2 (staged on one GPU): 8 dtypes,
              Sum/Max/Average, in place with prescale, allgather with uneven rows, broadcast from the
              last rank, async, grouped, alltoall, reducescatter, backward, SyncBatchNorm,
@@ -507,12 +508,16 @@ def section_public_api():
     (NCCL) and np=2 (staged through MPI when the two ranks share one GPU)."""
     import cupy
 
+    import tempfile
+
     script = os.path.join(ROOT, "tests", "mpi_gpu_wired.py")
-    env = {"HVDDP_FAKE_KERNELS": FAKE_CUPY} if FAKE_CUPY else {}
-    run_workers(1, "collectives on device arrays", "public API", extra_env=env, script=script)
-    shared = not FAKE_CUPY and cupy.cuda.runtime.getDeviceCount() < 2
-    run_workers(2, "collectives on device arrays", "public API", script=script,
-                extra_env=dict(env, HVDDP_GPU_OPERATIONS="MPI") if shared else env)
+    with tempfile.TemporaryDirectory() as tmp:  # the worker checks its timeline's spans on rank 0
+        env = dict({"HVDDP_FAKE_KERNELS": FAKE_CUPY} if FAKE_CUPY else {},
+                   HVDDP_TIMELINE=os.path.join(tmp, "timeline.json"))
+        run_workers(1, "collectives on device arrays", "public API", extra_env=env, script=script)
+        shared = not FAKE_CUPY and cupy.cuda.runtime.getDeviceCount() < 2
+        run_workers(2, "collectives on device arrays", "public API", script=script,
+                    extra_env=dict(env, HVDDP_GPU_OPERATIONS="MPI") if shared else env)
 
 
 def run_torch_workers(section, mode, check, on_stand_in):

@@ -187,30 +187,8 @@ def pinned_memory_stays_bounded() -> int:
     return 0
 
 
-def timeline_steps() -> int:
-    """Three steps of device collectives under ``HVDDP_TIMELINE``: fused small allreduces, one
-    past the fusion threshold, a broadcast and an allgather; test_gpu.py reads the file."""
-    import numpy as np
-
-    import hvddp
-
-    hvddp.init()
-    rank, size = hvddp.rank(), hvddp.size()
-    for step in range(3):
-        handles = [hvddp.allreduce_async(fake_cupy.asarray(np.full(n, rank + step, np.float32)), name=f"tl.ar{i}")
-                   for i, n in enumerate((10, 1000, 600_000))]
-        handles.append(hvddp.broadcast_async(fake_cupy.asarray(np.full(3, rank, np.int32)), 0, name="tl.bc"))
-        handles.append(hvddp.allgather_async(fake_cupy.asarray(np.full((rank + 1, 2), rank, np.int64)), name="tl.ag"))
-        outs = [np.asarray(h.wait()) for h in handles]
-        assert all(o[0] == step + (size - 1) / 2 for o in outs[:3]), [o[0] for o in outs[:3]]
-        assert outs[3].tolist() == [0, 0, 0] and len(outs[4]) == size * (size + 1) // 2
-    hvddp.shutdown()
-    print(f"rank {rank}: timeline steps done", flush=True)
-    return 0
-
-
 if __name__ == "__main__":
     modes = {"join-own-device": join_on_own_device, "out-of-memory": out_of_memory_on_one_rank,
              "output-order": outputs_ordered_after_the_default_stream,
-             "pinned-growth": pinned_memory_stays_bounded, "timeline": timeline_steps}
+             "pinned-growth": pinned_memory_stays_bounded}
     sys.exit(modes[sys.argv[1]]() if sys.argv[1:] else main())

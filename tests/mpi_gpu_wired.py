@@ -135,7 +135,8 @@ def main() -> int:
 
     # staged collectives of ever-new sizes keep reusing their pinned buffers, grown twofold (CuPy's
     # pinned pool keeps each freed block by its exact size; the stand-in's test counts the same)
-    if not KERNELS and (os.environ.get("HVDDP_GPU_OPERATIONS", "").upper() == "MPI" or not device.nccl_built()):
+    staged = os.environ.get("HVDDP_GPU_OPERATIONS", "").upper() == "MPI" or not device.nccl_built()
+    if not KERNELS and staged:
         import cupyx
 
         calls, empty_pinned = [], cupyx.empty_pinned
@@ -187,9 +188,42 @@ def main() -> int:
         assert "int32; op=Adasum combines floating-point" in str(exc), exc
     else:
         raise AssertionError("Adasum on an integer device array did not raise")
+    timeline = os.environ.get("HVDDP_TIMELINE")
+    if timeline:
+        timeline_steps(rank, size)
     hvddp.shutdown()
+    if timeline and rank == 0:
+        check_timeline(timeline, "MPI_{}_STAGED" if staged else "NCCL_{}")
     print(f"WIRED OK rank {rank}", flush=True)
     return 0
+
+
+def timeline_steps(rank: int, size: int) -> None:
+    """Three steps of device collectives for the timeline (``HVDDP_TIMELINE``): fused small
+    allreduces, one past the fusion threshold, a broadcast and an allgather."""
+    for step in range(3):
+        handles = [hvddp.allreduce_async(dev(np.full(n, rank + step, np.float32)), name=f"tl.ar{i}")
+                   for i, n in enumerate((10, 1000, 600_000))]
+        handles.append(hvddp.broadcast_async(dev(np.full(3, rank, np.int32)), 0, name="tl.bc"))
+        handles.append(hvddp.allgather_async(dev(np.full((rank + 1, 2), rank, np.int64)), name="tl.ag"))
+        outs = [host(h.wait()) for h in handles]
+        assert all(o[0] == step + (size - 1) / 2 for o in outs[:3]), [o[0] for o in outs[:3]]
+        assert outs[3].tolist() == [0, 0, 0] and len(outs[4]) == size * (size + 1) // 2
+
+
+def check_timeline(path: str, engine: str) -> None:
+    """Every span in the file ends, nested within its row, and each device collective of
+    timeline_steps has one span a step, with its engine phase inside (they stayed open from the
+    first step to shutdown, the later steps' negotiations nested inside)."""
+    from mpirun import timeline_spans
+
+    spans = timeline_spans(path)
+    for i in range(3):
+        assert spans[f"allreduce.tl.ar{i}"].count("ALLREDUCE") == 3, spans[f"allreduce.tl.ar{i}"]
+    assert spans["allreduce.tl.ar2"].count(engine.format("ALLREDUCE")) == 3, spans["allreduce.tl.ar2"]
+    for kind, name in (("BROADCAST", "broadcast.tl.bc"), ("ALLGATHER", "allgather.tl.ag")):
+        assert spans[name].count(kind) == 3 and spans[name].count(engine.format(kind)) == 3, spans[name]
+    print(f"timeline spans ok: {len(spans)} rows, every span closed", flush=True)
 
 
 if __name__ == "__main__":

@@ -108,6 +108,27 @@ def run_pytest(np_: int, test_file: str, timeout: float = 240, env: Optional[Dic
                      "-o", "addopts=", test_file, *extra], timeout=timeout, env=env)
 
 
+def timeline_spans(path: str) -> Dict[str, List[str]]:
+    """The span names an hvddp timeline file holds, per row (a tensor's name), in order; asserts
+    that every span that begins ends, properly nested within its row."""
+    import json
+
+    with open(path) as f:
+        events = json.load(f)
+    rows = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    stacks: Dict[int, List[str]] = {}
+    spans: Dict[str, List[str]] = {}
+    for e in events:
+        if e.get("ph") == "B":
+            stacks.setdefault(e["pid"], []).append(e["name"])
+            spans.setdefault(rows[e["pid"]], []).append(e["name"])
+        elif e.get("ph") == "E":
+            stack = stacks.get(e["pid"])
+            assert stack and stack.pop() == e["name"], (rows[e["pid"]], e, stack)
+    assert not any(stacks.values()), {rows[pid]: stack for pid, stack in stacks.items() if stack}
+    return spans
+
+
 def hvddp_lines(script: str) -> List[str]:
     """The lines of the script ``script`` (relative to the repository) that mention hvddp, after
     its module docstring: for a script ported from Horovod, just the import line."""
