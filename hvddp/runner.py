@@ -31,6 +31,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -458,12 +459,37 @@ def build_command(launch: Launch, np_: int, command: Sequence[str], env: Dict[st
         for name, value in env.items():
             cmd += ["-x", f"{name}={value}"]
     else:  # hydra (MPICH, Intel MPI, MVAPICH) and unknown launchers that take -n
+        _check_this_machine_named_once(hosts or [])
         cmd += ["-n", str(np_)]
         if host_list:
             cmd += ["-hosts", host_list]
         for name, value in env.items():
             cmd += ["-genv", name, value]
     return cmd + list(mpi_args) + list(command)
+
+
+def _this_machine(host: str) -> bool:
+    """Whether ``host`` (``[user@]name``) is one of the names of the machine hvddprun runs on
+    that need no lookup: localhost, a loopback address, its host name or the short form."""
+    name = host.rpartition("@")[2].lower()
+    me = socket.gethostname().lower()
+    return name in ("localhost", "localhost.localdomain", "::1", me, me.split(".")[0]) or name.startswith("127.")
+
+
+def _check_this_machine_named_once(hosts: Sequence[Tuple[str, int]]) -> None:
+    """Refuse a host list that names this machine in two ways (``localhost:1,node1:1`` on node1):
+    hydra starts a proxy for each name, so MPI sees two nodes and ranks on both get local_rank 0
+    (and take the same GPU). (Open MPI recognizes its node's names and merges them.)"""
+    local = {}
+    for host, slots in hosts:
+        if _this_machine(host):
+            local[host] = local.get(host, 0) + slots
+    if len(local) > 1:
+        names = list(local)
+        raise ValueError(f"the hosts (-H or --hostfile) name this machine in {len(names)} ways ({', '.join(map(repr, names))}): "
+                         f"MPICH's hydra starts each as a node of its own, and each numbers its local_rank "
+                         f"from 0 (two ranks take the same GPU). Name it one way, with the slots added up: "
+                         f"{names[0]}:{sum(local.values())}.")
 
 
 def _options_given(args: Sequence[str]) -> set:

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -244,6 +245,18 @@ def test_hydra_flags_hosts_and_env():
     cmd = runner.build_command(launch, 3, ["t"], {"HVDDP_LOG_LEVEL": "DEBUG"}, hosts=[("n1", 2), ("n2", 1)],
                                is_root=True, cpu_count=1)
     assert cmd == ["/x/bin/mpiexec", "-n", "3", "-hosts", "n1:2,n2:1", "-genv", "HVDDP_LOG_LEVEL", "DEBUG", "t"]
+    # this machine under two names: hydra started a proxy for each, MPI saw two nodes, and both
+    # ranks got local_rank 0 (the same GPU); Open MPI merges its node's names
+    this = socket.gethostname()
+    for hosts in ([("localhost", 1), (this, 1)], [("n1", 2), ("127.0.0.1", 1), (f"me@{this.upper()}", 2)]):
+        with pytest.raises(ValueError, match=r"name this machine in 2 ways .*local_rank.* Name it one way, with "
+                                             rf"the slots added up: {re.escape(hosts[-2][0])}:{hosts[-2][1] + hosts[-1][1]}\."):
+            runner.build_command(launch, 2, ["t"], {}, hosts=hosts)
+        openmpi = runner.Launch("openmpi", "Open MPI v5.0.8", "/o/mpirun")
+        assert runner.build_command(openmpi, 2, ["t"], {}, hosts=hosts, is_root=False)[:5] == [
+            "/o/mpirun", "-np", "2", "-H", ",".join(f"{h}:{n}" for h, n in hosts)]
+    cmd = runner.build_command(launch, 2, ["t"], {}, hosts=[("localhost", 1), ("localhost", 1)])
+    assert cmd[3:5] == ["-hosts", "localhost:1,localhost:1"]  # (one name twice: hydra merges it)
 
 
 @pytest.mark.parametrize("command, expected", [
