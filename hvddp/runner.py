@@ -75,7 +75,10 @@ _SETTINGS = {
 _ELASTIC = "hvddp's elastic API runs at a fixed size: give -np"
 _SSH = "set it in ~/.ssh/config, which the MPI launcher's ssh reads"
 _NO_TIMESTAMP = "hvddp's log lines carry no timestamp"
-_NIC = 'the MPI library\'s own setting, e.g. --mpi-args="-iface eth0" (MPICH)'
+# (horovodrun sets both the MPI launcher's interface and NCCL's, which carries hvddp's GPU traffic)
+_NIC = ('the launcher\'s own setting, --mpi-args="-iface eth0" (MPICH\'s hydra) or --mpi-args="--mca '
+        'btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0" (Open MPI), and for NCCL export '
+        'NCCL_SOCKET_IFNAME=eth0 (hvddprun passes NCCL_* variables on)')
 _HOROVODRUN_ONLY = {
     "--output-filename": 'the launcher\'s own option, e.g. --mpi-args="-outfile-pattern out.%r" (MPICH) '
                          'or --mpi-args="--output-filename DIR" (Open MPI)',

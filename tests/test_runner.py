@@ -101,6 +101,9 @@ def test_hosts_and_hostfile(tmp_path, hosts):
     (["-np", "2", "--cache-capacity", "-1"], ["--cache-capacity", "HVDDP_CACHE_CAPACITY"]),
     (["-np", "2", "--hostfile", "/nonexistent/hosts"], ["--hostfile '/nonexistent/hosts' cannot be read"]),
     (["-np", "2", "--num-nccl-streams", "2"], ["--num-nccl-streams", "one NCCL stream"]),
+    # (the hint was MPICH's alone: nothing for Open MPI, nor for NCCL, which carries the GPU traffic)
+    (["-np", "2", "--network-interface", "eth0"], ["--network-interface", '--mpi-args="-iface eth0"',
+                                                   "btl_tcp_if_include eth0", "NCCL_SOCKET_IFNAME=eth0"]),
     (["-np", "2", "--stall-check", "--no-stall-check"], ["not allowed with"]),
     (["-np", "2", "--timeline-mark-cycles", "--no-timeline-mark-cycles"], ["not allowed with"]),
     # an empty value (`-H "$HOSTS"` with $HOSTS unset) was taken as no option: every rank ran here
