@@ -463,6 +463,7 @@ def build_command(launch: Launch, np_: int, command: Sequence[str], env: Dict[st
             cmd += ["-x", f"{name}={value}"]
     else:  # hydra (MPICH, Intel MPI, MVAPICH) and unknown launchers that take -n
         _check_this_machine_named_once(hosts or [])
+        _check_hydra_finds_srun(launch, mpi_args)
         cmd += ["-n", str(np_)]
         if host_list:
             cmd += ["-hosts", host_list]
@@ -493,6 +494,32 @@ def _check_this_machine_named_once(hosts: Sequence[Tuple[str, int]]) -> None:
                          f"MPICH's hydra starts each as a node of its own, and each numbers its local_rank "
                          f"from 0 (two ranks take the same GPU). Name it one way, with the slots added up: "
                          f"{names[0]}:{sum(local.values())}.")
+
+
+# what MPICH's hydra reads as a Slurm allocation (one name of each pair), in which it starts its
+# proxies with srun, also when -H names the hosts (MPICH 5.0.2's, found by unsetting each in turn)
+_HYDRA_SLURM = (("SLURM_JOB_NODELIST", "SLURM_NODELIST"), ("SLURM_JOB_NUM_NODES", "SLURM_NNODES"),
+                ("SLURM_TASKS_PER_NODE",))
+_HYDRA_LAUNCHER_CHOSEN = ("HYDRA_LAUNCHER", "HYDRA_BOOTSTRAP", "HYDRA_LAUNCHER_EXEC", "HYDRA_BOOTSTRAP_EXEC")
+
+
+def _check_hydra_finds_srun(launch: Launch, mpi_args: Sequence[str]) -> None:
+    """Refuse a hydra run inside a Slurm allocation when ``srun`` is not on PATH (in a container
+    started in the allocation, say): hydra printed "execvp error on file srun" and then waited
+    forever, before any rank started, so neither hvddprun nor the ranks could end the job."""
+    if launch.family != "mpich" or "INTEL" in launch.library.upper():  # (Intel MPI's hydra: its own rules)
+        return
+    if not all(any(os.environ.get(name) for name in names) for names in _HYDRA_SLURM):
+        return
+    chosen = {"launcher", "bootstrap", "launcher-exec", "bootstrap-exec"} & _options_given(mpi_args)
+    if chosen or any(os.environ.get(name) for name in _HYDRA_LAUNCHER_CHOSEN) or shutil.which("srun"):
+        return
+    nodes = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    raise ValueError(f"this runs in a Slurm allocation (SLURM_JOB_NODELIST={nodes}), so MPICH's hydra would "
+                     f"start its proxies with srun, but srun is not on PATH (hydra then waits forever). "
+                     f"Run hvddprun where srun is, or choose hydra's launcher: "
+                     f'--mpi-args="-launcher fork" (every rank on this machine) or "-launcher ssh" (the allocation\'s '
+                     f'nodes, or -H\'s, over ssh).')
 
 
 def _options_given(args: Sequence[str]) -> set:
@@ -613,7 +640,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--version", action="version", version=f"hvddprun (hvddp {_version()})")
     p.add_argument("-np", "-n", "--num-proc", dest="np", type=int, metavar="N", help="number of ranks")
     hosts = p.add_mutually_exclusive_group()
-    hosts.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...", help="host1:slots,host2:slots (default: this machine)")
+    hosts.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...", help="host1:slots,host2:slots (default: this machine; in a "
+                       "Slurm allocation, the launcher takes its nodes)")
     hosts.add_argument("-hostfile", "--hostfile", metavar="FILE",
                        help="file with one `host`, `host:N` or `host slots=N` per line")
     p.add_argument("--fusion-threshold-mb", type=float, metavar="MB", help="HVDDP_FUSION_THRESHOLD, in MiB")

@@ -148,6 +148,23 @@ def test_dry_run_shows_hydra_command_with_genv_and_mpi4py():
         sys.executable, "-m", "mpi4py", "train.py"], result.stdout
 
 
+def test_in_a_slurm_allocation_without_srun_hydra_is_refused_or_told_its_launcher(tmp_path):
+    """hydra reads SLURM_* as an allocation and starts its proxies with srun; where srun is not on
+    PATH (a container started in the allocation) it printed "execvp error on file srun" and waited
+    forever, before any rank started. hvddprun refuses that run, and its hint runs."""
+    if _family() != "mpich":
+        pytest.skip(f"hydra's (MPICH's) launcher choice; this MPI: {_family()}")
+    (tmp_path / "bin").mkdir()  # PATH without srun (hvddprun names its Python and mpiexec by path)
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_NUM_NODES": "1",
+             "SLURM_TASKS_PER_NODE": "2", "PATH": f"{tmp_path / 'bin'}:{os.path.dirname(sys.executable)}"}
+    result, elapsed = hvddprun(["-np", "2", "python", PRINT], timeout=60, env=slurm)
+    assert result.returncode == 2 and elapsed < 10, result.stdout
+    assert ("Slurm allocation (SLURM_JOB_NODELIST=n1)" in result.stdout and "srun is not on PATH" in result.stdout
+            and '--mpi-args="-launcher fork"' in result.stdout and "CONFIG" not in result.stdout), result.stdout
+    result, _ = hvddprun(["-np", "2", "--mpi-args=-launcher fork", "python", PRINT], timeout=60, env=slurm)
+    assert result.returncode == 0 and sorted(_configs(result.stdout)) == [0, 1], result.stdout
+
+
 def test_horovodrun_spellings(tmp_path):
     """horovodrun's -hostfile, -cb, -v, and its --start-timeout/--disable-cache (nothing to do
     here, accepted) parse as in horovodrun: argparse read -hostfile as -h with 'ostfile'."""
