@@ -206,12 +206,13 @@ def _candidates(libs: Sequence[str]) -> List[str]:
     return unique
 
 
-def _launcher_family(exe: str) -> str:
+def _launcher_version(exe: str) -> str:
+    """``exe --version``'s output ("" when it does not run)."""
     try:
         out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return mpi_family(out.stdout + out.stderr)
+        return ""
+    return out.stdout + out.stderr
 
 
 def find_launch(mpiexec: Optional[str] = None) -> Launch:
@@ -230,7 +231,14 @@ def find_launch(mpiexec: Optional[str] = None) -> Launch:
         found = shutil.which(mpiexec)
         if found is None:
             raise RuntimeError(f"--mpiexec {mpiexec!r} is not an executable file (or a command on PATH).")
-        launcher = _launcher_family(found)
+        version = _launcher_version(found)
+        launcher = mpi_family(version)
+        if launcher == "unknown" and version.lower().startswith("slurm"):
+            # (srun's getopt reads hvddprun's `-hosts` as -h, its help, and knows no -genv)
+            raise RuntimeError(f"--mpiexec {mpiexec!r} is Slurm's srun, which does not take the mpiexec options "
+                               f"hvddprun writes (-n, -hosts, -genv). In an allocation, leave --mpiexec out (the "
+                               f"MPI launcher starts its proxies with srun), or start the ranks with srun "
+                               f"yourself: srun --mpi=pmix python -m mpi4py train.py.")
         if "unknown" not in (family, launcher) and launcher != family:  # (a wrapper script: trusted)
             raise RuntimeError(f"--mpiexec {mpiexec!r} is a {launcher} launcher, but mpi4py loads "
                                f"{library!r} ({family}); ranks started by it would each run alone. "
@@ -238,7 +246,7 @@ def find_launch(mpiexec: Optional[str] = None) -> Launch:
         return Launch(family, library, mpiexec)
     seen = []
     for exe in _candidates(libs):
-        launcher = _launcher_family(exe)
+        launcher = mpi_family(_launcher_version(exe))
         if family == "unknown" or launcher == family:
             return Launch(family, library, exe)
         seen.append(f"{exe} ({launcher})")

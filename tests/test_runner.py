@@ -340,6 +340,18 @@ def test_check_build_refuses_an_mpiexec_that_is_not_there():
     assert "--mpiexec '/nonexistent/mpiexec' is not an executable file" in result.stdout, result.stdout
 
 
+def test_srun_as_mpiexec_is_refused_saying_what_to_run(tmp_path):
+    """hvddprun writes mpiexec's options: srun's getopt reads `-hosts` as -h (its help) and knows
+    no -genv; the stand-in, which exits 0 as srun's help does, made hvddprun report success."""
+    srun = tmp_path / "srun"  # (a stand-in: this machine has no Slurm)
+    srun.write_text("#!/bin/sh\necho slurm 23.11.4\n")
+    srun.chmod(0o755)
+    result, _ = hvddprun(["-np", "2", "--mpiexec", str(srun), "python", PRINT], timeout=60)
+    assert result.returncode == 2 and "CONFIG" not in result.stdout, result.stdout
+    assert f"--mpiexec '{srun}' is Slurm's srun" in result.stdout, result.stdout
+    assert "srun --mpi=pmix python -m mpi4py train.py" in result.stdout, result.stdout
+
+
 def test_exit_code_of_the_job_is_returned():
     result, _ = hvddprun(["-np", "2", "python", "-c", "import sys; from mpi4py import MPI; "
                           "sys.exit(5 if MPI.COMM_WORLD.Get_rank() == 0 else 0)"])
