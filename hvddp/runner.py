@@ -102,8 +102,6 @@ _HOROVODRUN_ONLY = {
 }
 # horovodrun options that ask for what hvddp does anyway: accepted, and ignored
 _DEFAULT_ONLY = {
-    "--stall-check": "the stall check is on by default",
-    "--no-timeline-mark-cycles": "cycles are not marked by default",
     "--no-mpi-threads-disable": "hvddp always uses MPI's thread support",
     "--no-autotune": "hvddp has no autotuner", "--no-hierarchical-allreduce": "hvddp has no hierarchical mode",
     "--no-hierarchical-allgather": "hvddp has no hierarchical mode", "--no-torus-allreduce": "hvddp has no torus mode",
@@ -407,10 +405,12 @@ def settings_env(opts: argparse.Namespace) -> Dict[str, str]:
             parse(env[variable])
         except (ValueError, OverflowError):
             raise ValueError(f"{flag} {value!r} is not valid (expected {parse.expected}; sets {variable})") from None
-    if getattr(opts, "no_stall_check", False):
-        env["HVDDP_STALL_CHECK_DISABLE"] = "1"
-    if getattr(opts, "timeline_mark_cycles", False):
-        env["HVDDP_TIMELINE_MARK_CYCLES"] = "1"
+    # (each with its negation, which sets the default: an exported HOROVOD_/HVDDP_ variable
+    # otherwise won over it, silently)
+    for dest, variable in (("stall_check_disable", "HVDDP_STALL_CHECK_DISABLE"),
+                           ("timeline_mark_cycles", "HVDDP_TIMELINE_MARK_CYCLES")):
+        if getattr(opts, dest, None) is not None:
+            env[variable] = getattr(opts, dest)
     return env
 
 
@@ -657,14 +657,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-capacity", type=int, metavar="N",
                    help="HVDDP_CACHE_CAPACITY (0 turns the response cache off)")
     p.add_argument("--timeline-filename", metavar="FILE", help="HVDDP_TIMELINE: Chrome-trace file written by rank 0")
-    marks = p.add_mutually_exclusive_group()  # (with --no-timeline-mark-cycles, below)
-    marks.add_argument("--timeline-mark-cycles", action="store_true", help="HVDDP_TIMELINE_MARK_CYCLES=1")
+    marks = p.add_mutually_exclusive_group()
+    marks.add_argument("--timeline-mark-cycles", dest="timeline_mark_cycles", action="store_const", const="1",
+                       help="HVDDP_TIMELINE_MARK_CYCLES=1")
+    marks.add_argument("--no-timeline-mark-cycles", dest="timeline_mark_cycles", action="store_const", const="0",
+                       help="HVDDP_TIMELINE_MARK_CYCLES=0 (the default)")
     p.add_argument("--stall-check-warning-time-seconds", type=float, metavar="S",
                    help="HVDDP_STALL_CHECK_TIME_SECONDS: warn about collectives missing on some ranks")
     p.add_argument("--stall-check-shutdown-time-seconds", type=float, metavar="S",
                    help="HVDDP_STALL_SHUTDOWN_TIME_SECONDS: raise StallError on every rank after this")
-    stall = p.add_mutually_exclusive_group()  # (with --stall-check, below)
-    stall.add_argument("--no-stall-check", action="store_true", help="HVDDP_STALL_CHECK_DISABLE=1")
+    stall = p.add_mutually_exclusive_group()
+    stall.add_argument("--no-stall-check", dest="stall_check_disable", action="store_const", const="1",
+                       help="HVDDP_STALL_CHECK_DISABLE=1")
+    stall.add_argument("--stall-check", dest="stall_check_disable", action="store_const", const="0",
+                       help="HVDDP_STALL_CHECK_DISABLE=0 (the default)")
     p.add_argument("--log-level", metavar="LEVEL", help="HVDDP_LOG_LEVEL: TRACE, DEBUG, INFO, WARNING, ERROR, FATAL")
     p.add_argument("--mpi-args", default="", metavar="ARGS",
                    help='extra launcher arguments, e.g. --mpi-args="-prepend-rank"')
@@ -680,9 +686,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout", type=float, metavar="S", help="accepted and ignored (as horovodrun's)")
     p.add_argument("--disable-cache", action="store_true", help="accepted and ignored (as horovodrun's)")
     p.add_argument("--mpi", action="store_true", help="accepted and ignored: MPI is hvddprun's only controller")
-    excludes = {"--stall-check": stall, "--no-timeline-mark-cycles": marks}  # (their negations)
     for flag, why in _DEFAULT_ONLY.items():
-        excludes.get(flag, p).add_argument(flag, action="store_true", help=f"accepted and ignored: {why}")
+        p.add_argument(flag, action="store_true", help=f"accepted and ignored: {why}")
     p.add_argument("command", nargs="*", help="the command every rank runs (its arguments are its own)")
     return p
 

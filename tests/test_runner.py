@@ -48,8 +48,9 @@ def test_settings_reach_every_rank_as_hvddp_variables(tmp_path):
     result, _ = hvddprun(["-np", "2", "--fusion-threshold-mb", "8", "--cycle-time-ms", "2.5",
                           "--timeline-filename", str(timeline), "--stall-check-warning-time-seconds", "7",
                           "--stall-check-shutdown-time-seconds", "20", "--log-level", "error",
-                          "--cache-capacity", "5", "--timeline-mark-cycles", "--verbose",
-                          "python", "-u", PRINT, "--flag", "x y"])
+                          "--cache-capacity", "5", "--timeline-mark-cycles", "--stall-check", "--verbose",
+                          "python", "-u", PRINT, "--flag", "x y"],
+                         env={"HOROVOD_STALL_CHECK_DISABLE": "1"})  # (--stall-check was ignored: it won)
     assert result.returncode == 0, result.stdout
     configs = _configs(result.stdout)
     assert sorted(configs) == [0, 1], result.stdout
@@ -62,6 +63,7 @@ def test_settings_reach_every_rank_as_hvddp_variables(tmp_path):
         assert cfg["stall_check_time_s"] == 7 and cfg["stall_shutdown_time_s"] == 20
         assert cfg["log_level"] == "ERROR" and cfg["timeline"] == str(timeline)
         assert cfg["cache_capacity"] == 5 and cfg["timeline_mark_cycles"] is True
+        assert cfg["stall_check_disable"] is False
     assert result.stdout.splitlines()[0].split()[0] == runner.find_launch().mpiexec  # --verbose: the command
     events = json.loads(timeline.read_text())  # rank 0 wrote it, and closed it at shutdown
     assert {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "allreduce.ranks"}} in events
@@ -181,6 +183,10 @@ def test_horovodrun_spellings(tmp_path):
     words = result.stdout.split()
     assert words[-6:] == ["train.py", "-host", "x", "--ver", "-np", "5"] and "5" not in words[:-6], result.stdout
     assert runner._parser().parse_args(["-cb"]).check_build is True
+    # horovodrun's negations set the default, over an exported variable (they were ignored)
+    assert runner.settings_env(runner._parser().parse_args(["--stall-check", "--no-timeline-mark-cycles"])) == {
+        "HVDDP_STALL_CHECK_DISABLE": "0", "HVDDP_TIMELINE_MARK_CYCLES": "0"}
+    assert runner.settings_env(runner._parser().parse_args([])) == {}
     result, _ = hvddprun(["-v"])
     assert result.returncode == 0 and result.stdout.strip() == f"hvddprun (hvddp {__version__})", result.stdout
 
