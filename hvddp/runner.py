@@ -470,8 +470,9 @@ def build_command(launch: Launch, np_: int, command: Sequence[str], env: Dict[st
         for name, value in env.items():
             cmd += ["-x", f"{name}={value}"]
     else:  # hydra (MPICH, Intel MPI, MVAPICH) and unknown launchers that take -n
-        _check_this_machine_named_once(hosts or [])
-        _check_hydra_finds_srun(launch, mpi_args)
+        if launch.family == "mpich":
+            _check_this_machine_named_once(hosts or [])
+            _check_hydra_finds_srun(launch, mpi_args)
         cmd += ["-n", str(np_)]
         if host_list:
             cmd += ["-hosts", host_list]
@@ -498,10 +499,10 @@ def _check_this_machine_named_once(hosts: Sequence[Tuple[str, int]]) -> None:
             local[host] = local.get(host, 0) + slots
     if len(local) > 1:
         names = list(local)
-        raise ValueError(f"the hosts (-H or --hostfile) name this machine in {len(names)} ways ({', '.join(map(repr, names))}): "
-                         f"MPICH's hydra starts each as a node of its own, and each numbers its local_rank "
-                         f"from 0 (two ranks take the same GPU). Name it one way, with the slots added up: "
-                         f"{names[0]}:{sum(local.values())}.")
+        raise ValueError(f"the hosts (-H or --hostfile) name this machine in {len(names)} ways "
+                         f"({', '.join(map(repr, names))}): MPICH's hydra starts each as a node of its own, "
+                         f"and each numbers its local_rank from 0 (two ranks take the same GPU). Name it one "
+                         f"way, with the slots added up: {names[0]}:{sum(local.values())}.")
 
 
 # what MPICH's hydra reads as a Slurm allocation (one name of each pair), in which it starts its
@@ -515,7 +516,7 @@ def _check_hydra_finds_srun(launch: Launch, mpi_args: Sequence[str]) -> None:
     """Refuse a hydra run inside a Slurm allocation when ``srun`` is not on PATH (in a container
     started in the allocation, say): hydra printed "execvp error on file srun" and then waited
     forever, before any rank started, so neither hvddprun nor the ranks could end the job."""
-    if launch.family != "mpich" or "INTEL" in launch.library.upper():  # (Intel MPI's hydra: its own rules)
+    if "INTEL" in launch.library.upper():  # (Intel MPI's hydra: its own rules)
         return
     if not all(any(os.environ.get(name) for name in names) for names in _HYDRA_SLURM):
         return
@@ -526,8 +527,8 @@ def _check_hydra_finds_srun(launch: Launch, mpi_args: Sequence[str]) -> None:
     raise ValueError(f"this runs in a Slurm allocation (SLURM_JOB_NODELIST={nodes}), so MPICH's hydra would "
                      f"start its proxies with srun, but srun is not on PATH (hydra then waits forever). "
                      f"Run hvddprun where srun is, or choose hydra's launcher: "
-                     f'--mpi-args="-launcher fork" (every rank on this machine) or "-launcher ssh" (the allocation\'s '
-                     f'nodes, or -H\'s, over ssh).')
+                     f'--mpi-args="-launcher fork" (every rank on this machine) or "-launcher ssh" '
+                     f'(the allocation\'s nodes, or -H\'s, over ssh).')
 
 
 def _options_given(args: Sequence[str]) -> set:
@@ -648,8 +649,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--version", action="version", version=f"hvddprun (hvddp {_version()})")
     p.add_argument("-np", "-n", "--num-proc", dest="np", type=int, metavar="N", help="number of ranks")
     hosts = p.add_mutually_exclusive_group()
-    hosts.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...", help="host1:slots,host2:slots (default: this machine; in a "
-                       "Slurm allocation, the launcher takes its nodes)")
+    hosts.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...",
+                       help="host1:slots,host2:slots (default: this machine; in a Slurm allocation, the "
+                            "launcher takes its nodes)")
     hosts.add_argument("-hostfile", "--hostfile", metavar="FILE",
                        help="file with one `host`, `host:N` or `host slots=N` per line")
     p.add_argument("--fusion-threshold-mb", type=float, metavar="MB", help="HVDDP_FUSION_THRESHOLD, in MiB")
