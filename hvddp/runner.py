@@ -280,7 +280,7 @@ def parse_hostfile(path: str) -> List[Tuple[str, int]]:
         raise ValueError(f"--hostfile {path!r} names no file; give a hostfile (leave --hostfile out to run "
                          f"every rank on this machine).")
     try:
-        f = open(path)
+        f = open(path, encoding="utf-8-sig")  # (an editor's byte-order mark became part of the first host)
     except OSError as exc:
         raise ValueError(f"--hostfile {path!r} cannot be read: {exc.strerror or exc}") from None
     with f:

@@ -323,6 +323,8 @@ def test_hostfile_formats(tmp_path):
     f = tmp_path / "h"
     f.write_text("a\nb:3\nc slots=2  # comment\n\nd slots= 4\ne slots = 5 max_slots=8\n")
     assert runner.parse_hostfile(str(f)) == [("a", 1), ("b", 3), ("c", 2), ("d", 4), ("e", 5)]
+    f.write_bytes(b"\xef\xbb\xbfa:2\r\nb slots=1\r\n")  # (the byte-order mark went to hydra as part of 'a')
+    assert runner.parse_hostfile(str(f)) == [("a", 2), ("b", 1)]
     f.write_text("a slots=x\n")
     with pytest.raises(ValueError, match="line 1"):
         runner.parse_hostfile(str(f))
