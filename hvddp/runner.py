@@ -213,6 +213,10 @@ def _launcher_version(exe: str) -> str:
     return out.stdout + out.stderr
 
 
+def _launcher_family(exe: str) -> str:  # (benchmarks/gpu_check.py uses it too)
+    return mpi_family(_launcher_version(exe))
+
+
 def find_launch(mpiexec: Optional[str] = None) -> Launch:
     """Find the MPI library mpi4py loads and the mpiexec that belongs to it.
 
@@ -244,7 +248,7 @@ def find_launch(mpiexec: Optional[str] = None) -> Launch:
         return Launch(family, library, mpiexec)
     seen = []
     for exe in _candidates(libs):
-        launcher = mpi_family(_launcher_version(exe))
+        launcher = _launcher_family(exe)
         if family == "unknown" or launcher == family:
             return Launch(family, library, exe)
         seen.append(f"{exe} ({launcher})")
