@@ -767,7 +767,8 @@ def join(device: int = -1) -> int:
     op's identity (zeros for Sum and Average, which still divides by the full size; the largest
     value for Min, the smallest for Max, one for Product), so ranks with uneven amounts of data
     can finish their epochs. allgather, broadcast, alltoall and reducescatter raise on every rank
-    that makes them while some rank has joined (the joined ranks go on waiting here). ``device``
+    that makes them while some rank has joined without making them first (the joined ranks go on
+    waiting here). ``device``
     is accepted for Horovod compatibility and ignored.
     """
     return _control(Kind.JOIN, "__join__", global_process_set, "join").wait()

@@ -783,6 +783,33 @@ def test_allgather_while_a_rank_has_joined_raises_everywhere():
         hvddp.join()
 
 
+def test_a_call_made_before_join_runs_when_its_peers_make_it_after():
+    """Rank 0 starts a gather, broadcast, alltoall and reducescatter, then joins before its peers
+    make them: its data is in, so they run (they raised on every rank, telling rank 0 to make
+    them before join(), which it had); a call that a joined rank never made still raises."""
+    if N == 1:
+        pytest.skip("needs two ranks")
+    calls = [lambda: hvddp.allgather_async(np.full(R + 1, R), name="early.gather"),
+             lambda: hvddp.broadcast_async(np.full(2, R), root_rank=0, name="early.bcast"),
+             lambda: hvddp.alltoall_async(np.arange(N) + 10 * R, name="early.alltoall"),
+             lambda: hvddp.reducescatter_async(np.ones(N), op=hvddp.Sum, name="early.rs")]
+    if R == 0:
+        handles = [call() for call in calls]
+        assert hvddp.join() in range(1, N)
+    else:
+        time.sleep(0.5)  # (rank 0 has joined)
+        handles = [call() for call in calls]
+        with pytest.raises(hvddp.MismatchError, match=r"rank\(s\) \[0\] have called join\(\) without making it"):
+            hvddp.allgather(np.ones(1), name="late.gather")
+    gathered, bcast, (received, splits), scattered = [h.wait(timeout=20) for h in handles]
+    np.testing.assert_array_equal(gathered, np.concatenate([np.full(r + 1, r) for r in range(N)]))
+    np.testing.assert_array_equal(bcast, [0, 0])
+    np.testing.assert_array_equal(received, np.arange(N) * 10 + R)
+    np.testing.assert_array_equal(scattered, [float(N)])
+    if R != 0:
+        hvddp.join()
+
+
 def test_op_numbers_are_horovods():
     """Horovod's ops are plain ints (Average 0, Sum 1, Adasum 2, Min 3, Max 4, Product 5); a port
     passing op=3 meant Min and got Max (hvddp numbered Min 2, Max 3, Product 4, Adasum 5)."""

@@ -255,13 +255,15 @@ class Coordinator:
                 continue
             ready.append(key)
             first = next(iter(submitted.values()))
-            if first.kind not in JOIN_TOLERANT and joined.intersection(members):
+            # (a member that made the call before it joined has its data in: the call runs)
+            absent = sorted(r for r in joined.intersection(members) if r not in submitted)
+            if first.kind not in JOIN_TOLERANT and absent:
                 sparse = first.kind is Kind.ALLGATHER and _GRADIENT_NAME.match(key[1])
                 hint = (" (hvddp.torch's DistributedOptimizer allgathers sparse gradients: with join(), "
                         "pass sparse_as_dense=True)" if sparse else "")
-                errors[key] = (f"{first.kind.value} {key[1]!r} cannot run while rank(s) "
-                               f"{sorted(joined.intersection(members))} have called join(); only "
-                               f"allreduce and barrier accept joined ranks. Call it before join(){hint}.")
+                errors[key] = (f"{first.kind.value} {key[1]!r} cannot run while rank(s) {absent} have "
+                               f"called join() without making it; only allreduce and barrier accept "
+                               f"joined ranks. Call it before join(){hint}.")
         ready = self._complete_groups(ready, errors)
         responses: List[Response] = []
         failed_groups: Dict[str, str] = {}  # group id -> the error that failed one of its members
