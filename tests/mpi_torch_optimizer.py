@@ -1140,6 +1140,52 @@ def test_adasum_needs_a_power_of_two_number_of_ranks():
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum)
 
 
+@pytest.mark.parametrize("how", ["average", "passes", "groups", "adasum"])
+def test_uneven_data_with_join_follows_each_ranks_replica(how):
+    """Uneven data (per-rank datasets): rank r runs 2 + r steps in the first epoch and N - r in the
+    second, then calls join(). A rank still stepping gets the Average over all N ranks, a joined
+    one counting as zeros (as in Horovod), or the Adasum of the live ranks' updates. Each rank's
+    parameters follow a simulation of every rank's replica (they part once one has joined), join()
+    returns the rank with the most steps, and a metric averaged after join() counts every rank."""
+    if how == "adasum" and not POWER_OF_TWO:
+        pytest.skip("Adasum needs a power-of-two size")
+    passes = 2 if how == "passes" else 1
+    kwargs = {"groups": 2} if how == "groups" else {"op": hvd.Adasum} if how == "adasum" else {}
+    torch.manual_seed(0)
+    model = Net()
+    replicas = [copy.deepcopy(model) for _ in range(N)]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                                   backward_passes_per_step=passes, **kwargs)
+    for epoch, steps in enumerate([[2 + r for r in range(N)], [N - r for r in range(N)]]):
+        for step in range(max(steps)):  # the replicas: a joined rank's update is zeros
+            updates = []
+            for s, replica in enumerate(replicas):
+                replica.zero_grad()
+                for micro in range(passes):
+                    x, y = batch(10 * epoch + step, micro)
+                    shard_loss(replica, x, y, s).backward()
+                live = step < steps[s]
+                updates.append([-0.1 * p.grad * live for p in replica.parameters()])
+            with torch.no_grad():
+                for i, p in enumerate(model.parameters()):
+                    each = [u[i] for u in updates]
+                    combined = (adasum_tree(each).reshape(p.shape).float() if how == "adasum"
+                                else torch.stack(each).sum(0) / N)
+                    for s, replica in enumerate(replicas):
+                        if step < steps[s]:
+                            list(replica.parameters())[i].add_(combined)
+        for step in range(steps[R]):
+            opt.zero_grad()
+            for micro in range(passes):
+                x, y = batch(10 * epoch + step, micro)
+                shard_loss(model, x, y, R).backward()
+            opt.step()
+        assert hvd.join() == steps.index(max(steps))
+        assert_parity(model, replicas[R])
+        metric = hvd.allreduce(torch.tensor(float(steps[R])), name=f"join.metric.{how}.{epoch}")
+        assert metric.item() == pytest.approx(sum(steps) / N)
+
+
 @pytest.mark.skipif(not POWER_OF_TWO, reason="Adasum needs a power-of-two size (refusal tested above)")
 def test_adasum_two_optimizers_groups_added_unfrozen_scheduler_and_passes():
     torch.manual_seed(2)
