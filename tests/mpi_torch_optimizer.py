@@ -719,6 +719,14 @@ def test_zero_grad_refused_while_pending_and_set_to_none():
     assert torch.equal(model.fc1.weight.grad, torch.zeros_like(model.fc1.weight))
     opt.zero_grad()
     assert model.fc1.weight.grad is None
+    # a pass short of backward_passes_per_step (an epoch's odd last batch): named as such
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), backward_passes_per_step=2,
+                                   named_parameters=model.named_parameters())
+    F.mse_loss(model(shard(x)), shard(y)).backward()
+    if N > 1:
+        with pytest.raises(hvd.HvddpError, match=r"fewer than backward_passes_per_step=2 passes .* before join"):
+            opt.zero_grad()
+    opt.step()
 
 
 def test_changing_backward_passes_mid_step_is_refused():

@@ -705,6 +705,12 @@ class _DistributedOptimizer(WrapperCommon):
         """
         if getattr(self, "_hvddp_touched", None):
             some = sorted(self._hvddp_names[p] for p in self._hvddp_touched)[:3]
+            if any(self._hvddp_delay[p] for p in self._hvddp_touched):  # (as the Adasum optimizer)
+                raise HvddpError(
+                    f"zero_grad() was called after backward() and before step(): the gradients of "
+                    f"fewer than backward_passes_per_step={self._hvddp_bpps} passes (e.g. {some}) are "
+                    f"being accumulated, and zeroing them would drop those passes. Call step() first "
+                    f"(it averages the passes so far; with uneven data, call it before join()).")
             raise HvddpError(
                 f"zero_grad() was called after backward() and before step() or synchronize(): "
                 f"{len(self._hvddp_touched)} gradient(s) (e.g. {some}) are being reduced into "
