@@ -637,6 +637,26 @@ def test_schedule_callback_staircase(capsys):
                      else []), seen
 
 
+def test_rate_callbacks_refuse_a_schedule_or_function_rate_when_training_begins():
+    """An optimizer whose learning_rate is a LearningRateSchedule or a function has no rate to set:
+    the callbacks failed at the first batch, with Keras' TypeError naming no callback (a schedule)
+    or "AttributeError: 'function' object has no attribute 'assign'" (a function). Now both raise
+    when training begins, before any step, naming the callback (also under a LossScaleOptimizer)."""
+    x, y = np.ones((4, 1), "float32"), np.zeros((4, 1), "float32")
+    for rate, what in ((keras.optimizers.schedules.ExponentialDecay(0.1, 2, 0.5), "a LearningRateSchedule"),
+                       (lambda: 0.1, "a function")):
+        for make, callback in ((lambda o: o, hvd.callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=1)),
+                               (keras.optimizers.LossScaleOptimizer,
+                                hvd.callbacks.LearningRateScheduleCallback(None, lambda e: 0.5, staircase=False))):
+            model = keras.Sequential([keras.Input((1,)), layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+            model.compile(optimizer=hvd.DistributedOptimizer(make(keras.optimizers.SGD(rate))),
+                          loss=lambda y_true, y_pred: ops.mean(y_pred))
+            with pytest.raises(TypeError, match=rf"{type(callback).__name__} sets the optimizer's learning rate, and "
+                                                rf"this optimizer's learning_rate is {what}, .*Give the optimizer a float"):
+                model.fit(x, y, batch_size=2, epochs=1, verbose=0, callbacks=[callback])
+            assert int(ops.convert_to_numpy(model.optimizer.iterations)) == 0  # before any step
+
+
 @keras.saving.register_keras_serializable(package="hvddp_tests")
 class RegisteredSGD(keras.optimizers.SGD):
     """A user's optimizer, registered for saving under "hvddp_tests>RegisteredSGD"."""

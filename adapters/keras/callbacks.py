@@ -266,6 +266,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
             print(f"\nEpoch {int(epoch) + 1}: learning rate set to {new_lr:g}.", flush=True)
 
     def on_train_begin(self, logs=None):
+        _check_settable_rate(self.model.optimizer, type(self).__name__)
         if self.initial_lr is None:
             self.initial_lr = float(_backend.to_numpy(self.model.optimizer.learning_rate))
         if not self.staircase and not self.steps_per_epoch:
@@ -289,6 +290,26 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
             logs["learning_rate"] = float(_backend.to_numpy(self.model.optimizer.learning_rate))
+
+
+def _check_settable_rate(optimizer: Any, who: str) -> None:
+    """Refuse an optimizer whose learning rate is a schedule or a function (its own, or under a
+    ``LossScaleOptimizer`` its inner one's, which the outer one's setter sets): no number can be
+    set in its place, and the callback failed at the first batch, with Keras' ``TypeError``
+    naming no callback, or, for a function, ``AttributeError: 'function' object has no attribute
+    'assign'``. The same on every rank (the ranks compile the same optimizer)."""
+    while isinstance(getattr(optimizer, "inner_optimizer", None), keras.optimizers.Optimizer):
+        optimizer = optimizer.inner_optimizer
+    rate = getattr(optimizer, "__dict__", {}).get("_learning_rate")
+    if rate is None or isinstance(rate, keras.Variable) or not callable(rate):
+        return
+    what = ("a LearningRateSchedule" if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule)
+            else "a function")
+    raise TypeError(f"{who} sets the optimizer's learning rate, and this optimizer's learning_rate is {what}, "
+                    f"which cannot be set to a number; Received: learning_rate={rate!r}. Give the optimizer a float "
+                    f"learning rate for the callback to set, or leave the callback out and build what it does "
+                    f"into the schedule (a warm-up: keras.optimizers.schedules.CosineDecay(..., warmup_target=..., "
+                    f"warmup_steps=...)).")
 
 
 class LearningRateWarmupCallback(LearningRateScheduleCallback):
