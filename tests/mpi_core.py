@@ -632,7 +632,7 @@ def test_an_unsent_member_of_a_group_a_late_member_failed_is_owed():
         for handle in (first, alone):
             with pytest.raises(hvddp.MismatchError):
                 handle.wait(timeout=30)
-        with pytest.raises(hvddp.MismatchError, match=rf"'ul\.b1' was sent late"):
+        with pytest.raises(hvddp.MismatchError, match=r"'ul\.b1' was sent late"):
             late.wait(timeout=30)  # (it waited for ever: TimeoutError)
     else:  # (both groups sent before waiting on either, as at a step: the second is the late one)
         first = hvddp.grouped_allreduce_async([np.ones(2), np.ones(3)], names=[w0, b0])
