@@ -100,6 +100,12 @@ _HOROVODRUN_ONLY = {
     "--log-with-timestamp": _NO_TIMESTAMP, "--no-log-hide-timestamp": _NO_TIMESTAMP,
     "-prefix-timestamp": "the launcher's own option, e.g. --mpi-args=\"--timestamp-output\" (Open MPI)",
 }
+# mpirun's and mpiexec's options for the ranks' environment, which habit passes to hvddprun
+_EXPORT = ("export it before hvddprun, which passes its environment on (under hydra to every rank; under "
+           "Open MPI to the ranks on this machine, and to other hosts only what hvddprun forwards: PATH, "
+           "PYTHONPATH, HVDDP_*, NCCL_*, CUDA_* and such), or give it to the launcher: "
+           '--mpi-args="-x NAME" (Open MPI) or --mpi-args="-genv NAME VALUE" (hydra)')
+_LAUNCHER_ONLY = {"-x": _EXPORT, "-genv": _EXPORT}
 # horovodrun options that ask for what hvddp does anyway: accepted, and ignored
 _DEFAULT_ONLY = {
     "--no-mpi-threads-disable": "hvddp always uses MPI's thread support",
@@ -117,10 +123,14 @@ class _Parser(argparse.ArgumentParser):
         return super().parse_args(args, namespace)
 
     def error(self, message: str):
-        hints = [f"{flag}: {hint}" for flag, hint in _HOROVODRUN_ONLY.items()
-                 if re.search(rf"(^|[\s:'\"]){re.escape(flag)}($|[\s=,'\"])", message)]
-        if hints:
-            message += " (horovodrun options hvddprun does not take; instead, " + "; ".join(hints) + ")"
+        for whose, options in (("horovodrun", _HOROVODRUN_ONLY), ("mpirun/mpiexec", _LAUNCHER_ONLY)):
+            hints: Dict[str, List[str]] = {}  # hint: its flags in the message (a hint once for all)
+            for flag, hint in options.items():
+                if re.search(rf"(^|[\s:'\"]){re.escape(flag)}($|[\s=,'\"])", message):
+                    hints.setdefault(hint, []).append(flag)
+            if hints:
+                message += (f" ({whose} options hvddprun does not take; instead, "
+                            + "; ".join(f"{', '.join(flags)}: {hint}" for hint, flags in hints.items()) + ")")
         if message.startswith("argument --mpi-args: expected one argument"):
             # argparse takes a separate value that starts with "-" for an option of its own
             given = [b for a, b in zip(self._args, self._args[1:])

@@ -106,6 +106,10 @@ def test_hosts_and_hostfile(tmp_path, hosts):
     # (the hint was MPICH's alone: nothing for Open MPI, nor for NCCL, which carries the GPU traffic)
     (["-np", "2", "--network-interface", "eth0"], ["--network-interface", '--mpi-args="-iface eth0"',
                                                    "btl_tcp_if_include eth0", "NCCL_SOCKET_IFNAME=eth0"]),
+    # mpirun's -x, hydra's -genv: argparse's bare "unrecognized arguments"
+    (["-np", "2", "-x", "FOO"], ["unrecognized arguments: -x (mpirun/mpiexec options hvddprun does not take; "
+                                 "instead, -x: export it before hvddprun", '--mpi-args="-x NAME" (Open MPI)']),
+    (["-np", "2", "-genv", "FOO", "1"], ["-genv: export it", '--mpi-args="-genv NAME VALUE" (hydra)']),
     (["-np", "2", "--stall-check", "--no-stall-check"], ["not allowed with"]),
     (["-np", "2", "--timeline-mark-cycles", "--no-timeline-mark-cycles"], ["not allowed with"]),
     # an empty value (`-H "$HOSTS"` with $HOSTS unset) was taken as no option: every rank ran here
