@@ -740,6 +740,20 @@ def _split_mpi_args(text: str) -> List[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``hvddprun`` console script; returns the job's exit code."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # (here, where a closed pipe is caught, rather than at exit)
+    except BrokenPipeError:
+        # the reader of the output quit early (hvddprun -cb | head -1): end quietly, with the
+        # status of a tool that SIGPIPE ended, not with a traceback; the output left unwritten
+        # goes nowhere (the interpreter flushes stdout again at exit)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = _parser()
     mine, command = _split_command(parser, argv)
@@ -767,11 +781,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if status_dir:
             shutil.rmtree(status_dir, ignore_errors=True)
         parser.error(str(exc))
-    if opts.dry_run or opts.verbose:
-        print(shlex.join(cmd), flush=True)
     if opts.dry_run:
+        print(shlex.join(cmd))
         return 0
     try:
+        if opts.verbose:
+            print(shlex.join(cmd), flush=True)
         return _run(cmd, status_dir, opts.np, not opts.no_rank_monitor)
     finally:
         shutil.rmtree(status_dir, ignore_errors=True)

@@ -195,6 +195,24 @@ def test_horovodrun_spellings(tmp_path):
     assert result.returncode == 0 and result.stdout.strip() == f"hvddprun (hvddp {__version__})", result.stdout
 
 
+def test_a_reader_that_quits_early_ends_hvddprun_quietly():
+    """`hvddprun -cb | head -1`, a pager quit early: a write to the closed pipe ended hvddprun in a
+    BrokenPipeError traceback (or Python's "Exception ignored ... BrokenPipeError" at exit, 120).
+    Now it ends quietly, with the status of a tool that SIGPIPE ended, as other tools do."""
+    # (-cb unbuffered fails at its first line, before its probes; buffered output fails at the end)
+    for args, unbuffered in ((["-cb"], "1"), (["-np", "2", "--dry-run", "python", "train.py"], "")):
+        read, write = os.pipe()
+        os.close(read)  # the reader is gone before hvddprun writes
+        try:
+            result = subprocess.run([sys.executable, "-m", "hvddp.runner", *args], stdout=write,
+                                    stderr=subprocess.PIPE, text=True, timeout=60, cwd=ROOT,
+                                    env=dict(os.environ, PYTHONUNBUFFERED=unbuffered))
+        finally:
+            os.close(write)
+        assert result.returncode == 128 + 13 and "BrokenPipe" not in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr, (args, result.stderr)
+
+
 def test_finds_the_launcher_of_the_library_mpi4py_loads():
     launch = runner.find_launch()
     assert launch.library == _library_line()
