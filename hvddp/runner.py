@@ -874,8 +874,11 @@ def _run(cmd: List[str], status_dir: str, np_: int, monitored: bool = True) -> i
     if code != 0:  # killed ranks leave their MPI shared memory behind on this node
         removed = _faults.remove_leaked_shm(started)
         if removed:
-            print(f"hvddprun: removed {len(removed)} shared-memory segment(s) the failed ranks left in "
-                  f"/dev/shm.", file=sys.stderr)
+            # (which job left a segment is not recorded: those removed are the unused ones of this
+            # user's written since the job started, which a job that failed meanwhile left too)
+            print(f"hvddprun: removed {len(removed)} unused MPI shared-memory segment(s) of yours written to "
+                  f"/dev/shm since this job started (left by its failed ranks, or by another job that failed "
+                  f"meanwhile).", file=sys.stderr)
     return code
 
 
