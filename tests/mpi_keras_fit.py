@@ -614,6 +614,24 @@ def test_warmup_callback_learning_rates(capsys):
     assert want[warmup * steps - 1] == pytest.approx(initial_lr)
     np.testing.assert_allclose(record.logged_lr, [want[2], want[5], want[8]], rtol=1e-6)
 
+    def batches():  # data of unknown length: fit() knows no steps per epoch
+        for _ in range(2):
+            yield x[:2], y[:2]
+
+    # warmup_epochs=0 sets no rate, so it needs no steps per epoch (it raised "pass
+    # steps_per_epoch=" for a generator) nor a rate it could set (a schedule); the optimizer's rate trains
+    model = keras.Sequential([keras.Input((1,)), layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(  # (a constant 1)
+        keras.optimizers.schedules.ExponentialDecay(1.0, 10, 1.0))), loss=lambda y_true, y_pred: ops.mean(y_pred))
+    for model in (_linear_model(), model):
+        model.fit(batches(), epochs=1, verbose=0, shuffle=False,
+                  callbacks=[hvd.callbacks.LearningRateWarmupCallback(None, 0)])
+        np.testing.assert_allclose(model.get_weights()[0], [[-2.0]], rtol=1e-6)  # two steps at rate 1
+    with pytest.raises(ValueError, match=r"LearningRateWarmupCallback: could not tell the number of batches per "
+                                         r"epoch \(fit\(\) got data of unknown length.*pass steps_per_epoch="):
+        _linear_model().fit(batches(), epochs=1, verbose=0, shuffle=False,
+                            callbacks=[hvd.callbacks.LearningRateWarmupCallback(None, warmup_epochs=1)])
+
 
 def test_schedule_callback_staircase(capsys):
     steps = 2

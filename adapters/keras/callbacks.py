@@ -266,14 +266,19 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
             print(f"\nEpoch {int(epoch) + 1}: learning rate set to {new_lr:g}.", flush=True)
 
     def on_train_begin(self, logs=None):
+        if self.end_epoch is not None and self.end_epoch <= self.start_epoch:
+            # no epoch to set a rate in (warmup_epochs=0): nothing to check, nor batches to count
+            # (a generator without steps_per_epoch raised "pass steps_per_epoch=")
+            return
         _check_settable_rate(self.model.optimizer, type(self).__name__)
         if self.initial_lr is None:
             self.initial_lr = float(_backend.to_numpy(self.model.optimizer.learning_rate))
         if not self.staircase and not self.steps_per_epoch:
             self.steps_per_epoch = (self.params or {}).get("steps")
             if not self.steps_per_epoch:
-                raise ValueError(f"{type(self).__name__}: could not tell the number of batches per epoch; "
-                                 f"pass steps_per_epoch=.")
+                raise ValueError(f"{type(self).__name__}: could not tell the number of batches per epoch (fit() "
+                                 f"got data of unknown length, such as a generator without steps_per_epoch); "
+                                 f"pass steps_per_epoch= to the callback or to fit().")
 
     def on_epoch_begin(self, epoch, logs=None):
         self.current_epoch = epoch
