@@ -16,6 +16,7 @@ import numbers
 import pickle
 import sys
 import time
+import weakref
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -770,8 +771,19 @@ def join(device: int = -1) -> int:
     that makes them while some rank has joined without making them first (the joined ranks go on
     waiting here). ``device``
     is accepted for Horovod compatibility and ignored.
+
+    First, every object registered in ``_before_join`` (an adapter's optimizer between
+    ``backward()`` and ``step()``) sends the reductions its current step still owes: the other
+    ranks' matching calls are being made now, and the ones this rank made after joining would
+    meet their next step's instead.
     """
+    for owner in list(_before_join):
+        owner._hvddp_before_join()
     return _control(Kind.JOIN, "__join__", global_process_set, "join").wait()
+
+
+# objects with a ``_hvddp_before_join()`` that join() calls first (see join); held weakly
+_before_join: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def _process_set_call(what: str, check: Callable[[], Any]):

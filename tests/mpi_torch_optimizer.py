@@ -1194,6 +1194,69 @@ def test_uneven_data_with_join_follows_each_ranks_replica(how):
         assert metric.item() == pytest.approx(sum(steps) / N)
 
 
+@pytest.mark.parametrize("how", ["average", "passes", "adasum"])
+def test_join_between_backward_and_step_applies_that_steps_reductions(how):
+    """A rank out of data may call join() between its last backward() and step() (as in Horovod,
+    step() then applies reductions that finished): join() sends what that step still owes the
+    other ranks first (the gradients not sent yet: all of them under HVDDP_OVERLAP=0, with
+    passes the last step's single pass of two; zeros for `unused`; the check of which ranks had
+    each gradient), so step() makes no collective after join(). Sent after it, they met the
+    others' next step's: a peer averaged without rank 0's gradients, or dropped its gradient of
+    `branch` (only shard 0 uses it) as no rank's, silently. The ranks with fewer steps end the
+    first epoch so, no rank the second, every rank the third; the ranks compare with their
+    replicas after the second and the third (and raise alike)."""
+    if how == "adasum" and not POWER_OF_TWO:
+        pytest.skip("Adasum needs a power-of-two size")
+    passes = 2 if how == "passes" else 1
+    kwargs = {"op": hvd.Adasum} if how == "adasum" else {}
+    torch.manual_seed(0)
+    model = Net(extra=True)
+    replicas = [copy.deepcopy(model) for _ in range(N)]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                                   backward_passes_per_step=passes, **kwargs)
+    errors = []
+    ramp, down = [2 + r for r in range(N)], [N - r for r in range(N)]
+    for epoch, (steps, who) in enumerate([(ramp, "short"), (down, "none"), (ramp, "every")]):
+        def late(s, step):  # rank s joins between backward() and step()
+            return step == steps[s] - 1 and (who == "every" or who == "short" and steps[s] < max(steps))
+
+        for step in range(max(steps)):  # the replicas, as in the test above
+            updates = []
+            for s, replica in enumerate(replicas):
+                replica.zero_grad()
+                for micro in range(1 if late(s, step) else passes):
+                    shard_loss(replica, *batch(20 + 10 * epoch + step, micro), s).backward()
+                live = step < steps[s]
+                updates.append([-0.1 * live * (p.grad if p.grad is not None else torch.zeros_like(p))
+                                for p in replica.parameters()])
+            with torch.no_grad():
+                for i, p in enumerate(model.parameters()):
+                    each = [u[i] for u in updates]
+                    combined = (adasum_tree(each).reshape(p.shape).float() if how == "adasum"
+                                else torch.stack(each).sum(0) / N)
+                    for s, replica in enumerate(replicas):
+                        if step < steps[s]:
+                            list(replica.parameters())[i].add_(combined)
+        last = None
+        for step in range(steps[R]):
+            opt.zero_grad()
+            for micro in range(1 if late(R, step) else passes):
+                shard_loss(model, *batch(20 + 10 * epoch + step, micro), R).backward()
+            if late(R, step):
+                last = hvd.join()
+            opt.step()
+        if last is None:
+            last = hvd.join()
+        assert last == steps.index(max(steps))
+        try:
+            assert_parity(model, replicas[R])
+        except AssertionError as exc:
+            errors.append(f"rank {R}, epoch {epoch}: {exc}")
+        if epoch:  # (not after the first: a step() that still sent after join() would hang on it)
+            every = [e for errs in hvd.allgather_object(errors, name=f"late.join.{how}.{epoch}") for e in errs]
+            assert not every, "\n".join(every)
+
+
 @pytest.mark.skipif(not POWER_OF_TWO, reason="Adasum needs a power-of-two size (refusal tested above)")
 def test_adasum_two_optimizers_groups_added_unfrozen_scheduler_and_passes():
     torch.manual_seed(2)

@@ -57,6 +57,7 @@ class _DistributedAdasumOptimizer(WrapperCommon):
         self._hvddp_delay = {p: self._hvddp_bpps for p in self._hvddp_params}
         self._hvddp_saved: Dict[torch.Tensor, torch.Tensor] = {}
         self._hvddp_flights: Dict[torch.Tensor, tuple] = {}
+        self._hvddp_mirror = None  # this step's last reductions, sent by join() (see _hvddp_before_join)
         self._hvddp_active = process_set.size() > 1 and process_set.included()
         self._hvddp_hooks = []
         self._hvddp_hook_fn = weak_hook(self)
@@ -64,6 +65,7 @@ class _DistributedAdasumOptimizer(WrapperCommon):
             self._hvddp_hooks = [p.register_post_accumulate_grad_hook(self._hvddp_hook_fn)
                                  for p in self._hvddp_params]
             weakref.finalize(self, remove_hooks, self._hvddp_hooks)
+            hvddp.ops._before_join.add(self)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Accumulate ``passes`` backward passes before each update from now on (as Horovod's);
@@ -110,6 +112,32 @@ class _DistributedAdasumOptimizer(WrapperCommon):
             raise
         self._hvddp_flights[p] = (handle, ctx)
 
+    def _hvddp_send_rest(self):
+        """Send the updates not yet sent and the step's last reduction; returns the latter's handle."""
+        if self._hvddp_frozen:
+            self._hvddp_adopt_unfrozen()
+        for p in self._hvddp_params:
+            if p not in self._hvddp_flights:  # no gradient yet, or fewer passes than set: sent now
+                self._hvddp_send_delta(p)
+        # the per-step allreduce of an op=Average optimizer, made here too (its values unused):
+        # ranks that chose different ops then all fail on the updates' names, none waits for it
+        return hvddp.allreduce_async_(np.zeros(len(self._hvddp_params), dtype=np.uint8), None,
+                                      self._hvddp_prefix[:-1] + ":had", hvddp.Max,
+                                      process_set=self._hvddp_process_set)
+
+    def _hvddp_before_join(self) -> None:
+        """Send the rest of this step (``hvddp.join()`` calls it first) when a backward pass ran
+        since ``step()``: sent from a ``step()`` after ``join()``, it met the other ranks' next
+        step's (as the Average optimizer's; see its ``_hvddp_before_join``). What sending raises,
+        ``step()`` raises."""
+        if self._hvddp_active and self._hvddp_mirror is None and (
+                self._hvddp_flights or any(d != self._hvddp_bpps for d in self._hvddp_delay.values())):
+            try:
+                self._hvddp_follow_wrapped()
+                self._hvddp_mirror = self._hvddp_send_rest()
+            except Exception as exc:
+                self._hvddp_mirror = exc
+
     def synchronize(self) -> None:
         """Nothing to do ahead of ``step()`` with Adasum (as in Horovod): the gradients are not
         reduced; the updates are, inside ``step()``."""
@@ -144,18 +172,11 @@ class _DistributedAdasumOptimizer(WrapperCommon):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._hvddp_frozen:
-            self._hvddp_adopt_unfrozen()
-        for p in self._hvddp_params:
-            if p not in self._hvddp_flights:  # no gradient yet, or fewer passes than set: sent now
-                self._hvddp_send_delta(p)
-        # the per-step allreduce of an op=Average optimizer, made here too (its values unused):
-        # ranks that chose different ops then all fail on the updates' names, none waits for it
-        mirror = hvddp.allreduce_async_(np.zeros(len(self._hvddp_params), dtype=np.uint8), None,
-                                        self._hvddp_prefix[:-1] + ":had", hvddp.Max,
-                                        process_set=self._hvddp_process_set)
+        mirror = self._hvddp_mirror if self._hvddp_mirror is not None else self._hvddp_send_rest()
+        self._hvddp_mirror = None
         flights, self._hvddp_flights = self._hvddp_flights, {}
-        errors = []
+        # (sending failed in join(), see _hvddp_before_join: what was sent is applied first)
+        errors = [mirror] if isinstance(mirror, Exception) else []
         for p, (handle, ctx) in flights.items():
             try:
                 delta = self._hvddp_compression.decompress(synchronize(handle), ctx)
@@ -167,7 +188,8 @@ class _DistributedAdasumOptimizer(WrapperCommon):
             with torch.no_grad():
                 p.copy_(self._hvddp_saved[p].add_(delta))
         try:
-            hvddp.synchronize(mirror)
+            if not isinstance(mirror, Exception):
+                hvddp.synchronize(mirror)
         except Exception as exc:
             errors.append(exc)
         for p in self._hvddp_params:

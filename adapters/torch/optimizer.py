@@ -266,6 +266,7 @@ class _DistributedOptimizer(WrapperCommon):
         self._hvddp_group_ready: Dict[int, set] = {}
         self._hvddp_flights: List[_Flight] = []
         self._hvddp_versions: Dict[torch.Tensor, tuple] = {}  # deferred gradients (and versions) at their hook
+        self._hvddp_sent: Any = None  # this step's reductions sent by join(), or its error (see _hvddp_before_join)
         self._hvddp_synchronized = False
         self._hvddp_should_synchronize = True
         self._hvddp_overrun: Optional[str] = None  # a gradient accumulated once too often this step
@@ -279,6 +280,7 @@ class _DistributedOptimizer(WrapperCommon):
             for p in self._hvddp_params:
                 self._hvddp_hooks.append(p.register_post_accumulate_grad_hook(self._hvddp_hook_fn))
             weakref.finalize(self, remove_hooks, self._hvddp_hooks)
+            hvddp.ops._before_join.add(self)
 
     def _hvddp_make_groups(self, groups) -> List[List[torch.Tensor]]:
         if groups is None:
@@ -458,11 +460,37 @@ class _DistributedOptimizer(WrapperCommon):
         self._hvddp_follow_wrapped()
         self._hvddp_synchronize()
 
+    def _hvddp_before_join(self) -> None:
+        """Send what this step still owes the other ranks (``hvddp.join()`` calls it first).
+
+        A rank out of data may call ``join()`` between its last ``backward()`` and ``step()``
+        (Horovod's step then only applies reductions that finished): the other ranks make this
+        step's calls now, so the deferred gradients, the zeros for parameters without one and the
+        presence reduction go out before this rank joins; sent from ``step()``, after ``join()``,
+        they met the others' next step's (another step's presence and settings, silently), or
+        nothing once the others had finished. ``step()`` then only waits, and raises what
+        sending raised (this rank still joins: the others' calls get its zeros, not a hang).
+        """
+        if self._hvddp_active and self._hvddp_sent is None and self._hvddp_pending():
+            try:
+                self._hvddp_follow_wrapped()
+                self._hvddp_sent = self._hvddp_send()
+            except Exception as exc:
+                self._hvddp_sent = exc
+
     def _hvddp_synchronize(self) -> None:
         """``synchronize()`` once caught up with the wrapped optimizer (``step()`` did that)."""
         if not self._hvddp_active:
             self._hvddp_synchronized = True
             return
+        sent, self._hvddp_sent = self._hvddp_sent or self._hvddp_send(), None
+        if isinstance(sent, Exception):  # (sending failed in join(); see _hvddp_before_join)
+            raise sent
+        self._hvddp_finish(*sent)
+
+    def _hvddp_send(self) -> tuple:
+        """Submit every gradient not yet submitted, then the step's presence reduction; returns
+        what ``_hvddp_finish`` takes: its handle, the bytes sent and the gradients changed here."""
         self._hvddp_filled = set()  # (filled below; none left from a step an error cut short)
         if self._hvddp_frozen:
             self._hvddp_adopt_unfrozen()
@@ -507,6 +535,13 @@ class _DistributedOptimizer(WrapperCommon):
         had[3 * n], had[3 * n + 1] = self._hvddp_settings, 255 - self._hvddp_settings
         had_handle = hvddp.allreduce_async_(had, None, self._hvddp_prefix[:-1] + ":had", hvddp.Max,
                                             process_set=self._hvddp_process_set)
+        return had_handle, had, modified
+
+    def _hvddp_finish(self, had_handle, had: np.ndarray, modified: set) -> None:
+        """Wait for the step's reductions (see ``_hvddp_send``), apply what the presence
+        reduction says, and raise what failed, on every rank alike."""
+        params, filled = self._hvddp_params, self._hvddp_filled
+        n = (len(had) - 2) // 3  # (parameters adopted since the send come after these n)
         errors, retries, had_error = [], [], None
         try:
             hvddp.synchronize(had_handle)
