@@ -1148,6 +1148,19 @@ def test_adasum_needs_a_power_of_two_number_of_ranks():
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum)
 
 
+def apply_to_live_replicas(replicas, updates, live, adasum):
+    """One step of every rank's replica under join(): each rank's ``updates`` (zeros from a
+    joined rank) combined, as the Average over all N ranks or by Adasum, and added to the
+    replicas of the ranks still stepping."""
+    with torch.no_grad():
+        for i, p in enumerate(replicas[0].parameters()):
+            each = [u[i] for u in updates]
+            combined = adasum_tree(each).reshape(p.shape).float() if adasum else torch.stack(each).sum(0) / N
+            for replica, stepping in zip(replicas, live):
+                if stepping:
+                    list(replica.parameters())[i].add_(combined)
+
+
 @pytest.mark.parametrize("how", ["average", "passes", "groups", "adasum"])
 def test_uneven_data_with_join_follows_each_ranks_replica(how):
     """Uneven data (per-rank datasets): rank r runs 2 + r steps in the first epoch and N - r in the
@@ -1174,14 +1187,7 @@ def test_uneven_data_with_join_follows_each_ranks_replica(how):
                     shard_loss(replica, x, y, s).backward()
                 live = step < steps[s]
                 updates.append([-0.1 * p.grad * live for p in replica.parameters()])
-            with torch.no_grad():
-                for i, p in enumerate(model.parameters()):
-                    each = [u[i] for u in updates]
-                    combined = (adasum_tree(each).reshape(p.shape).float() if how == "adasum"
-                                else torch.stack(each).sum(0) / N)
-                    for s, replica in enumerate(replicas):
-                        if step < steps[s]:
-                            list(replica.parameters())[i].add_(combined)
+            apply_to_live_replicas(replicas, updates, [step < n for n in steps], how == "adasum")
         for step in range(steps[R]):
             opt.zero_grad()
             for micro in range(passes):
@@ -1229,14 +1235,7 @@ def test_join_between_backward_and_step_applies_that_steps_reductions(how):
                 live = step < steps[s]
                 updates.append([-0.1 * live * (p.grad if p.grad is not None else torch.zeros_like(p))
                                 for p in replica.parameters()])
-            with torch.no_grad():
-                for i, p in enumerate(model.parameters()):
-                    each = [u[i] for u in updates]
-                    combined = (adasum_tree(each).reshape(p.shape).float() if how == "adasum"
-                                else torch.stack(each).sum(0) / N)
-                    for s, replica in enumerate(replicas):
-                        if step < steps[s]:
-                            list(replica.parameters())[i].add_(combined)
+            apply_to_live_replicas(replicas, updates, [step < n for n in steps], how == "adasum")
         last = None
         for step in range(steps[R]):
             opt.zero_grad()
