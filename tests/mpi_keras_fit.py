@@ -172,6 +172,44 @@ def test_backward_passes_per_step(monkeypatch):
     assert_replicas_identical(model.get_weights(), "passes")
 
 
+def clipped(grads, kind, limit):
+    """Keras' clipping of ``grads`` (numpy), for the expected results."""
+    if kind == "clipvalue":
+        return [np.clip(g, -limit, limit) for g in grads]
+    if kind == "clipnorm":
+        return [g * limit / max(np.linalg.norm(g), limit) for g in grads]
+    norm = np.sqrt(sum(np.sum(g * g) for g in grads))
+    return [g * limit / max(norm, limit) for g in grads]
+
+
+@pytest.mark.parametrize("kind", ["clipnorm", "clipvalue", "global_clipnorm"])
+def test_clipping_applies_to_the_averaged_gradient(kind):
+    """As one process clips the whole batch's gradient: clipped after the average, not each
+    rank's before it (which moves the weights elsewhere), in apply and apply_gradients, with one
+    pass per update and with two (the average waits for the update pass)."""
+    def rank_grads(r):  # ranks' gradients point different ways, so the order of the two matters
+        return [np.array([1.0, -2.0, 3.0], "float32") * (1 + 2 * r) - r * np.array([4.0, 0.0, 10.0], "float32"),
+                np.array([0.5, -1.5], "float32") * (1 - 3 * r)]
+
+    limit = {"clipnorm": 1.0, "clipvalue": 0.5, "global_clipnorm": 1.0}[kind]
+    average = [np.mean([rank_grads(r)[i] for r in range(SIZE)], axis=0) for i in range(2)]
+    want = [-g for g in clipped(average, kind, limit)]
+    if SIZE > 1:  # (the check tells the two orders apart)
+        each_first = [-np.mean([clipped(rank_grads(r), kind, limit)[i] for r in range(SIZE)], axis=0)
+                      for i in range(2)]
+        assert not all(np.allclose(a, b, atol=1e-3) for a, b in zip(want, each_first))
+    mine = [ops.convert_to_tensor(g) for g in rank_grads(RANK)]
+    for passes, apply in ((1, "apply"), (2, "apply_gradients")):
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0, **{kind: limit}), backward_passes_per_step=passes,
+                                       average_aggregated_gradients=True)
+        variables = [keras.Variable(np.zeros(3, "float32")), keras.Variable(np.zeros(2, "float32"))]
+        for _ in range(passes):
+            opt.apply(mine, variables) if apply == "apply" else opt.apply_gradients(zip(mine, variables))
+        for got, expected in zip(variables, want):
+            np.testing.assert_allclose(ops.convert_to_numpy(got), expected, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"{kind}, {passes} passes")
+
+
 def model_with_passes():
     model = make_model(unused=False)
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2),
