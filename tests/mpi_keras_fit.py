@@ -210,6 +210,36 @@ def test_clipping_applies_to_the_averaged_gradient(kind):
                                        err_msg=f"{kind}, {passes} passes")
 
 
+def test_fit_with_the_optimizers_own_passes_averages_only_when_told_and_clips_the_average():
+    """Keras' own gradient_accumulation_steps: Keras averages the passes, Horovod's
+    backward_passes_per_step sums them. Wrapped without saying which, the sum was taken silently
+    (updates twice one process's, clipped at twice the norm): refused, on every rank. With
+    average_aggregated_gradients=True, fit matches one process on the whole batches, its
+    global_clipnorm applied to the average of the ranks' accumulated passes."""
+    def sgd():
+        return keras.optimizers.SGD(0.1, gradient_accumulation_steps=2, global_clipnorm=0.05)
+
+    with pytest.raises(ValueError, match=r"own gradient_accumulation_steps=2.*average_aggregated_gradients=True "
+                                         r"\(Keras' average.*backward_passes_per_step=2 \(Horovod's sum\)"):
+        hvd.DistributedOptimizer(sgd())
+    with pytest.raises(ValueError, match="own gradient_accumulation_steps=2"):  # (under loss scaling too)
+        hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(sgd()))
+    x, y = global_data()
+    model = make_model(unused=False)
+    initial = model.get_weights()
+    model.compile(optimizer=hvd.DistributedOptimizer(sgd(), average_aggregated_gradients=True),
+                  loss="sparse_categorical_crossentropy")
+    model.fit(shard(x), shard(y), batch_size=GLOBAL_BATCH // SIZE, epochs=2, shuffle=False, verbose=0)
+    reference = make_model(unused=False)
+    reference.set_weights(initial)
+    reference.compile(optimizer=sgd(), loss="sparse_categorical_crossentropy")
+    reference.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(model.get_weights()[0], initial[0])
+    assert_replicas_identical(model.get_weights(), "own.passes.clipped")
+
+
 def model_with_passes():
     model = make_model(unused=False)
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2),
@@ -1384,7 +1414,7 @@ def test_adasum_allreduce_helper():
         return
     # where every pass is reduced on its own (under loss scaling), Adasum with passes is refused
     opt = hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(
-        keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)), op=hvd.Adasum)
+        keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)), op=hvd.Adasum, backward_passes_per_step=2)
     with pytest.raises(ValueError, match="op=Adasum with 2 passes per step combines"):
         opt.apply([ops.ones((4, 3))], [w])
     # under loss scaling with a local variable (the finite flag and the presence flags are summed

@@ -573,13 +573,16 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
             result, more traffic). A gradient that is None must then be None on every rank.
         average_aggregated_gradients: with ``backward_passes_per_step > 1``, average the
             accumulated gradients over the passes instead of summing them (Horovod's default).
+            An optimizer made with Keras' own ``gradient_accumulation_steps=N`` must say which:
+            this (Keras' average) or ``backward_passes_per_step=N`` (the sum).
         process_set: the ranks that average.
         scale_local_gradients: divide the gradients of variables registered with
             ``optimizer.register_local_var(var)`` (kept on each rank, not reduced) by the
             process set's size, as Horovod does.
 
     Raises:
-        TypeError, ValueError: a bad argument (named in the message); with ``op=Adasum``, a
+        TypeError, ValueError: a bad argument (named in the message); an optimizer with its own
+            ``gradient_accumulation_steps`` and neither argument above; with ``op=Adasum``, a
             process set whose size is not a power of two, on every rank, before anything is
             reduced (with more than one pass per step where each pass is reduced: at the first
             step).
@@ -630,6 +633,8 @@ def _rebuilt(optimizer, backward_passes_per_step, name, op, gradient_predivide_f
             raise ValueError(f"DistributedOptimizer: the optimizer already has gradient_accumulation_steps="
                              f"{existing}; Received: backward_passes_per_step={backward_passes_per_step}.")
         target["gradient_accumulation_steps"] = backward_passes_per_step
+    elif _passes(config) > 1 and not average_aggregated_gradients:
+        _refuse_unchosen_passes(_passes(config))
     settings = _settings(op, gradient_predivide_factor, compression, process_set,
                          _passes_postscale(config, average_aggregated_gradients), _passes(config))
     settings["scale_local_gradients"] = bool(scale_local_gradients)
@@ -642,6 +647,21 @@ def _rebuilt(optimizer, backward_passes_per_step, name, op, gradient_predivide_f
     _copy_unconfigured(wrapped, optimizer)
     object.__setattr__(wrapped, "_hvddp", settings)
     return wrapped
+
+
+def _refuse_unchosen_passes(passes: int) -> None:
+    """An optimizer made with Keras' own ``gradient_accumulation_steps`` and wrapped with neither
+    ``backward_passes_per_step`` nor ``average_aggregated_gradients``: Keras averages the passes,
+    Horovod's default sums them, and which one the script meant is unknown (summed, each update
+    was ``passes`` times the one the same optimizer makes in one process, silently; with
+    ``clipnorm`` it was clipped at a ``passes`` times larger norm)."""
+    raise ValueError(
+        f"DistributedOptimizer: the optimizer has Keras' own gradient_accumulation_steps={passes}, "
+        f"whose passes Keras averages, where Horovod's backward_passes_per_step sums them; say which: "
+        f"average_aggregated_gradients=True (Keras' average, as one process computes it) or "
+        f"backward_passes_per_step={passes} (Horovod's sum); Received: backward_passes_per_step=1, "
+        f"average_aggregated_gradients=False. (PartialDistributedOptimizer takes neither: wrap with "
+        f"DistributedOptimizer and register the local layers' weights with register_local_var.)")
 
 
 @keras.saving.register_keras_serializable(package="hvddp", name="KeptObject")
