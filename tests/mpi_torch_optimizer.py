@@ -1557,6 +1557,43 @@ def test_a_parameter_frozen_after_wrapping_stays_put():
     assert_replicas_identical(model, "frozen.after")
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["ungrouped", "grouped"])
+@pytest.mark.parametrize("how", ["frozen_later", "frozen_at_wrapping", "unfrozen_later"])
+def test_a_parameter_frozen_on_one_rank_only_raises_on_every_rank(how, grouped):
+    """fc1 frozen (after wrapping, or when wrapped) on the last rank only, or unfrozen on the first
+    rank only: the ranks that train it waited for ever on its reduction (the others left it
+    alone, or sent another number of presence bytes). Every rank raises naming it, no update is
+    applied, and once the ranks agree again training goes on. ``grouped``: fc1's group is frozen
+    whole where it is frozen (nothing of it was submitted there)."""
+    torch.manual_seed(0)
+    model = Net()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    odd = R == N - 1 if how != "unfrozen_later" else R == 0  # the rank that differs
+    model.fc1.requires_grad_({"frozen_at_wrapping": not odd, "unfrozen_later": False}.get(how, True))
+    groups = [[model.fc1.weight, model.fc1.bias], [model.fc2.weight, model.fc2.bias]] if grouped else None
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(), groups=groups)
+    if how != "frozen_at_wrapping":
+        train_step(model, copy.deepcopy(model), opt, torch.optim.SGD(Net().parameters(), lr=0.1), 0)
+        model.fc1.requires_grad_(not odd if how == "frozen_later" else odd)
+    before = flat(model)
+    opt.zero_grad()
+    shard_loss(model, *batch(1), R).backward()
+    if N > 1:
+        with pytest.raises(hvd.MismatchError, match=r"'fc1.weight' is frozen on some ranks and trains on others"):
+            opt.step()
+        assert torch.equal(flat(model), before)
+        if how == "frozen_at_wrapping" and grouped:
+            return  # (wrapped with fc1 frozen, the last rank left it out of its group for good)
+    model.fc1.requires_grad_(True)  # the ranks agree again
+    for step in (2, 3):
+        opt.zero_grad()
+        shard_loss(model, *batch(step), R).backward()
+        opt.step()
+    assert not torch.equal(flat(model), before)
+    assert_replicas_identical(model, f"frozen.one.rank.{how}.{grouped}")
+
+
 @pytest.mark.parametrize("op", ["Average", "Adasum"])
 def test_calls_on_the_wrapped_optimizer_after_wrapping_reach_the_wrapper(op):
     """The wrapped optimizer's add_param_group (its parameters are averaged too: replicas drifted

@@ -197,6 +197,13 @@ def _settings_differ(high: int, low: int) -> str:
             f"op, compression and sparse_as_dense on every rank.")
 
 
+def _frozen_on_some_ranks(names: List[str]) -> str:
+    return (f"DistributedOptimizer: parameter {names[0]!r} is frozen on some ranks and trains on others "
+            f"({len(names)} parameter(s): {names[:5]}): left alone where it is frozen (requires_grad=False, "
+            f"no gradient) and averaged where it trains, the replicas would part. No update was applied. "
+            f"Freeze and unfreeze parameters (requires_grad_()) at the same step on every rank.")
+
+
 def _had_code(grad: Optional[torch.Tensor]) -> int:
     """A gradient's byte in the step's presence reduction: 1 dense, 1 + sparse dimensions if sparse."""
     return 1 + grad.sparse_dim() if grad is not None and grad.layout == torch.sparse_coo else 1
@@ -428,6 +435,20 @@ class _DistributedOptimizer(WrapperCommon):
             p.grad = None  # the zeros were a stand-in
         return self._hvddp_sparse_flight(p, sent if sparse else None)
 
+    def _hvddp_stand_in(self, params: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Submit zeros for ``params``, left alone here (frozen) and reduced on another rank, under
+        the names that rank used, so that its reductions end (in an error where the ranks' calls
+        differ); returns them. A parameter in a group some of whose members were submitted needs
+        none: that group's size differs from the other rank's, which fails it on every rank."""
+        for gi in sorted({self._hvddp_group_of[p] for p in params if p in self._hvddp_group_of}):
+            members = self._hvddp_groups[gi]
+            if not any(p in self._hvddp_submitted for p in members):
+                self._hvddp_submit(members, gi)
+        for p in params:
+            if p not in self._hvddp_group_of:
+                self._hvddp_submit([p], None)
+        return params
+
     # public API ---------------------------------------------------------------------------
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Accumulate ``passes`` backward passes locally before each reduction from now on (as
@@ -490,7 +511,8 @@ class _DistributedOptimizer(WrapperCommon):
 
     def _hvddp_send(self) -> tuple:
         """Submit every gradient not yet submitted, then the step's presence reduction; returns
-        what ``_hvddp_finish`` takes: its handle, the bytes sent and the gradients changed here."""
+        what ``_hvddp_finish`` takes: its handle, the bytes sent, the gradients changed here, the
+        parameters the bytes are about and those left alone here (frozen)."""
         self._hvddp_filled = set()  # (filled below; none left from a step an error cut short)
         if self._hvddp_frozen:
             self._hvddp_adopt_unfrozen()
@@ -520,37 +542,51 @@ class _DistributedOptimizer(WrapperCommon):
         # applied after its allgather): the byte and its complement,
         # so that the maximum shows whether every rank has the same. It is awaited first: with
         # different settings no rank retries, and every rank raises.
-        params, filled = self._hvddp_params, self._hvddp_filled
+        # The bytes cover every parameter of the optimizer in its own order, frozen since wrapping
+        # or not, so that their count is the same on every rank whatever each froze.
+        params, filled = list(self._hvddp_names), self._hvddp_filled
+        if len(params) != len(self._hvddp_params):  # some are frozen since wrapping (or added)
+            tracked = set(self._hvddp_params)
+            idle = {p for p in params if p not in tracked or p in idle}
         n = len(params)
         for flight in self._hvddp_flights:  # (before any wait: see _Flight.modified)
             modified.update(flight.modified())
         # then a byte each: 1 where this rank had a dense gradient of its own (a sparse rank must
         # not retry the allgather that such a rank never joins: it waited for ever); then 1 where
         # this rank changed the gradient before it was averaged, so that every rank refuses the
-        # update (a change on one rank only, raised there alone, left the others updating)
-        had = np.empty(3 * n + 2, dtype=np.uint8)
+        # update (a change on one rank only, raised there alone, left the others updating); then 1
+        # where this rank reduces the parameter, and its complement, so that one frozen on some
+        # ranks only (left alone there, reduced elsewhere: those ranks waited for ever) raises on
+        # every rank; the settings' two bytes close the array
+        had = np.empty(5 * n + 2, dtype=np.uint8)
         had[:n] = np.fromiter((0 if p in filled else _had_code(p.grad) for p in params), dtype=np.uint8, count=n)
         had[n:2 * n] = had[:n] == 1
         had[2 * n:3 * n] = np.fromiter((p in modified for p in params), dtype=np.uint8, count=n)
-        had[3 * n], had[3 * n + 1] = self._hvddp_settings, 255 - self._hvddp_settings
+        had[3 * n:4 * n] = np.fromiter((p not in idle for p in params), dtype=np.uint8, count=n)
+        had[4 * n:5 * n] = 1 - had[3 * n:4 * n]
+        had[5 * n], had[5 * n + 1] = self._hvddp_settings, 255 - self._hvddp_settings
         had_handle = hvddp.allreduce_async_(had, None, self._hvddp_prefix[:-1] + ":had", hvddp.Max,
                                             process_set=self._hvddp_process_set)
-        return had_handle, had, modified
+        return had_handle, had, modified, params, idle
 
-    def _hvddp_finish(self, had_handle, had: np.ndarray, modified: set) -> None:
+    def _hvddp_finish(self, had_handle, had: np.ndarray, modified: set, params: list, idle) -> None:
         """Wait for the step's reductions (see ``_hvddp_send``), apply what the presence
         reduction says, and raise what failed, on every rank alike."""
-        params, filled = self._hvddp_params, self._hvddp_filled
-        n = (len(had) - 2) // 3  # (parameters adopted since the send come after these n)
-        errors, retries, had_error = [], [], None
+        filled = self._hvddp_filled
+        n = len(params)  # (the parameters when the bytes were sent: some may have been added since)
+        errors, retries, had_error, stand_ins = [], [], None, []
         try:
             hvddp.synchronize(had_handle)
         except Exception as exc:  # raised after the flights' errors, which say more (a wrapper of
             had_error, had = exc, None  # another kind on some rank sends another length here)
         else:
-            if int(had[3 * n]) + int(had[3 * n + 1]) != 255:  # some rank's settings differ from another's
-                errors.append(MismatchError(_settings_differ(int(had[3 * n]), 255 - int(had[3 * n + 1]))))
+            if int(had[5 * n]) + int(had[5 * n + 1]) != 255:  # some rank's settings differ from another's
+                errors.append(MismatchError(_settings_differ(int(had[5 * n]), 255 - int(had[5 * n + 1]))))
             modified = {p for p, m in zip(params, had[2 * n:3 * n].tolist()) if m}
+            split = [p for p, a, b in zip(params, had[3 * n:4 * n].tolist(), had[4 * n:5 * n].tolist()) if a and b]
+            if split:  # frozen on some ranks only: zeros here for what the others wait on, then raise
+                errors.append(MismatchError(_frozen_on_some_ranks([self._hvddp_names[p] for p in split])))
+                stand_ins = self._hvddp_stand_in([p for p in split if p in idle])
         dense = set() if had is None else {p for p, d in zip(params, had[n:2 * n].tolist()) if d}
         flights, self._hvddp_flights = self._hvddp_flights, []
         for flight in flights:
@@ -569,6 +605,9 @@ class _DistributedOptimizer(WrapperCommon):
                 flight.finish(self._hvddp_compression)
             except Exception as exc:
                 errors.append(exc)
+        for p in stand_ins:  # (the zeros were a stand-in: left alone, the parameter stays put)
+            if p in filled:
+                p.grad = None
         if had_error is not None:
             errors.append(had_error)
         elif filled and not errors:
