@@ -1557,14 +1557,19 @@ def test_a_parameter_frozen_after_wrapping_stays_put():
     assert_replicas_identical(model, "frozen.after")
 
 
-@pytest.mark.parametrize("grouped", [False, True], ids=["ungrouped", "grouped"])
+@pytest.mark.parametrize("kind", ["ungrouped", "grouped", "adasum"])
 @pytest.mark.parametrize("how", ["frozen_later", "frozen_at_wrapping", "unfrozen_later"])
-def test_a_parameter_frozen_on_one_rank_only_raises_on_every_rank(how, grouped):
+def test_a_parameter_frozen_on_one_rank_only_raises_on_every_rank(how, kind):
     """fc1 frozen (after wrapping, or when wrapped) on the last rank only, or unfrozen on the first
     rank only: the ranks that train it waited for ever on its reduction (the others left it
     alone, or sent another number of presence bytes). Every rank raises naming it, no update is
     applied, and once the ranks agree again training goes on. ``grouped``: fc1's group is frozen
-    whole where it is frozen (nothing of it was submitted there)."""
+    whole where it is frozen (nothing of it was submitted there). ``adasum``: op=Adasum, whose
+    ranks that tracked fc1 waited for ever on its change (frozen when wrapped, or unfrozen, on
+    some ranks only), or whose frozen rank took the others' change (frozen later)."""
+    if kind == "adasum" and not POWER_OF_TWO:
+        pytest.skip("Adasum needs a power-of-two size")
+    grouped = kind == "grouped"
     torch.manual_seed(0)
     model = Net()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -1572,7 +1577,8 @@ def test_a_parameter_frozen_on_one_rank_only_raises_on_every_rank(how, grouped):
     model.fc1.requires_grad_({"frozen_at_wrapping": not odd, "unfrozen_later": False}.get(how, True))
     groups = [[model.fc1.weight, model.fc1.bias], [model.fc2.weight, model.fc2.bias]] if grouped else None
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                   named_parameters=model.named_parameters(), groups=groups)
+                                   named_parameters=model.named_parameters(), groups=groups,
+                                   **({"op": hvd.Adasum} if kind == "adasum" else {}))
     if how != "frozen_at_wrapping":
         train_step(model, copy.deepcopy(model), opt, torch.optim.SGD(Net().parameters(), lr=0.1), 0)
         model.fc1.requires_grad_(not odd if how == "frozen_later" else odd)
@@ -1591,7 +1597,7 @@ def test_a_parameter_frozen_on_one_rank_only_raises_on_every_rank(how, grouped):
         shard_loss(model, *batch(step), R).backward()
         opt.step()
     assert not torch.equal(flat(model), before)
-    assert_replicas_identical(model, f"frozen.one.rank.{how}.{grouped}")
+    assert_replicas_identical(model, f"frozen.one.rank.{how}.{kind}")
 
 
 @pytest.mark.parametrize("op", ["Average", "Adasum"])

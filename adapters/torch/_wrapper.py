@@ -88,6 +88,14 @@ def too_many_passes(optimizer, p: torch.Tensor) -> HvddpError:
         f"checkpoint.)")
 
 
+def frozen_on_some_ranks(names: list, combined: str) -> str:
+    """The error when the step's presence bytes show parameters reduced on some ranks only."""
+    return (f"DistributedOptimizer: parameter {names[0]!r} is frozen on some ranks and trains on others "
+            f"({len(names)} parameter(s): {names[:5]}): left alone where it is frozen (requires_grad=False, "
+            f"no gradient) and {combined} where it trains, the replicas would part. No update was applied. "
+            f"Freeze and unfreeze parameters (requires_grad_()) at the same step on every rank.")
+
+
 def remove_hooks(handles: list) -> None:
     for handle in handles:
         handle.remove()

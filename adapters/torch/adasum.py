@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 import hvddp
-from hvddp import Adasum, HvddpError, ProcessSet
+from hvddp import Adasum, HvddpError, MismatchError, ProcessSet
 
-from ._wrapper import WrapperCommon, check_passes, remove_hooks, too_many_passes, weak_hook
+from ._wrapper import WrapperCommon, check_passes, frozen_on_some_ranks, remove_hooks, too_many_passes, weak_hook
 from .compression import Compressor
 from .mpi_ops import allreduce_async_, synchronize
 
@@ -112,18 +112,53 @@ class _DistributedAdasumOptimizer(WrapperCommon):
             raise
         self._hvddp_flights[p] = (handle, ctx)
 
-    def _hvddp_send_rest(self):
-        """Send the updates not yet sent and the step's last reduction; returns the latter's handle."""
+    def _hvddp_send_rest(self) -> tuple:
+        """Send the updates not yet sent and the step's presence reduction; returns what ``step()``
+        waits on: the latter's handle and bytes, and the parameters these are about."""
         if self._hvddp_frozen:
             self._hvddp_adopt_unfrozen()
         for p in self._hvddp_params:
             if p not in self._hvddp_flights:  # no gradient yet, or fewer passes than set: sent now
                 self._hvddp_send_delta(p)
-        # the per-step allreduce of an op=Average optimizer, made here too (its values unused):
-        # ranks that chose different ops then all fail on the updates' names, none waits for it
-        return hvddp.allreduce_async_(np.zeros(len(self._hvddp_params), dtype=np.uint8), None,
-                                      self._hvddp_prefix[:-1] + ":had", hvddp.Max,
-                                      process_set=self._hvddp_process_set)
+        # under the name of an op=Average optimizer's (ranks that chose different ops then all fail
+        # on the updates' names, none waits for it), a byte for every parameter of the optimizer
+        # (the same count on every rank, whatever each froze): 1 where this rank trains it (tracked,
+        # and not frozen since without a gradient), then its complement, so that one frozen on some
+        # ranks only (the others waited for ever on a change never sent, or the frozen rank took
+        # theirs) raises on every rank
+        params, tracked = list(self._hvddp_names), set(self._hvddp_params)
+        n = len(params)
+        had = np.empty(2 * n, dtype=np.uint8)
+        had[:n] = np.fromiter((p in tracked and (p.requires_grad or p.grad is not None) for p in params),
+                              dtype=np.uint8, count=n)
+        had[n:] = 1 - had[:n]
+        handle = hvddp.allreduce_async_(had, None, self._hvddp_prefix[:-1] + ":had", hvddp.Max,
+                                        process_set=self._hvddp_process_set)
+        return handle, had, params
+
+    def _hvddp_split(self, sent: tuple) -> list:
+        """Wait for the step's presence reduction (see ``_hvddp_send_rest``); when some parameters
+        train on some ranks only, send zeros here for those the other ranks wait on (under their
+        names, so that every rank's calls end) and return the error to raise, else nothing."""
+        handle, had, params = sent
+        hvddp.synchronize(handle)
+        n = len(params)
+        split = [p for p, a, b in zip(params, had[:n].tolist(), had[n:].tolist()) if a and b]
+        if not split:
+            return []
+        errors = [MismatchError(frozen_on_some_ranks([self._hvddp_names[p] for p in split], "combined by Adasum"))]
+        handles = []
+        for p in split:
+            if p not in self._hvddp_flights:  # (frozen here since wrapping: nothing sent)
+                zeros, _ = self._hvddp_compression.compress(torch.zeros_like(p, requires_grad=False))
+                handles.append(allreduce_async_(zeros, name=self._hvddp_prefix + self._hvddp_names[p], op=Adasum,
+                                                process_set=self._hvddp_process_set))
+        for handle in handles:
+            try:
+                synchronize(handle)
+            except Exception as exc:  # (the error above says more)
+                errors.append(exc)
+        return errors
 
     def _hvddp_before_join(self) -> None:
         """Send the rest of this step (``hvddp.join()`` calls it first) when a backward pass ran
@@ -174,24 +209,28 @@ class _DistributedAdasumOptimizer(WrapperCommon):
                 loss = closure()
         mirror = self._hvddp_mirror if self._hvddp_mirror is not None else self._hvddp_send_rest()
         self._hvddp_mirror = None
-        flights, self._hvddp_flights = self._hvddp_flights, {}
         # (sending failed in join(), see _hvddp_before_join: what was sent is applied first)
-        errors = [mirror] if isinstance(mirror, Exception) else []
+        errors, refused, had_error = [mirror] if isinstance(mirror, Exception) else [], [], None
+        if not isinstance(mirror, Exception):
+            try:  # awaited first: a parameter trained on some ranks only applies nowhere
+                refused = self._hvddp_split(mirror)
+            except Exception as exc:  # raised after the updates' errors, which say more (a wrapper
+                had_error = exc  # of another kind on some rank sends another length there)
+            errors += refused
+        flights, self._hvddp_flights = self._hvddp_flights, {}
         for p, (handle, ctx) in flights.items():
             try:
                 delta = self._hvddp_compression.decompress(synchronize(handle), ctx)
             except Exception as exc:  # wait for all before raising, so names are free again
                 errors.append(exc)
-                with torch.no_grad():
-                    p.copy_(self._hvddp_saved[p])  # leave the parameter as it was
-                continue
+                delta = None
             with torch.no_grad():
-                p.copy_(self._hvddp_saved[p].add_(delta))
-        try:
-            if not isinstance(mirror, Exception):
-                hvddp.synchronize(mirror)
-        except Exception as exc:
-            errors.append(exc)
+                if delta is None or refused:
+                    p.copy_(self._hvddp_saved[p])  # leave the parameter as it was
+                else:
+                    p.copy_(self._hvddp_saved[p].add_(delta))
+        if had_error is not None:
+            errors.append(had_error)
         for p in self._hvddp_params:
             self._hvddp_delay[p] = self._hvddp_bpps
         self._hvddp_mark_stepped()

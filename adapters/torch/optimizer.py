@@ -39,7 +39,8 @@ from hvddp.ops import _op as _check_op
 
 from ._convert import as_numpy
 from ._sparse import sparse_rows_async
-from ._wrapper import WrapperCommon, check_passes, check_real, remove_hooks, too_many_passes, weak_hook
+from ._wrapper import (WrapperCommon, check_passes, check_real, frozen_on_some_ranks, remove_hooks, too_many_passes,
+                       weak_hook)
 from .adasum import _DistributedAdasumOptimizer, check_adasum_set
 from .compression import Compression, Compressor, native
 from .mpi_ops import allreduce, allreduce_async_, grouped_allreduce_async_
@@ -195,13 +196,6 @@ def _settings_differ(high: int, low: int) -> str:
             f"with {_describe_settings(high)}, another with {_describe_settings(low)}): their gradients would "
             f"be averaged differently and the replicas would part. No update was applied. Pass the same "
             f"op, compression and sparse_as_dense on every rank.")
-
-
-def _frozen_on_some_ranks(names: List[str]) -> str:
-    return (f"DistributedOptimizer: parameter {names[0]!r} is frozen on some ranks and trains on others "
-            f"({len(names)} parameter(s): {names[:5]}): left alone where it is frozen (requires_grad=False, "
-            f"no gradient) and averaged where it trains, the replicas would part. No update was applied. "
-            f"Freeze and unfreeze parameters (requires_grad_()) at the same step on every rank.")
 
 
 def _had_code(grad: Optional[torch.Tensor]) -> int:
@@ -585,7 +579,7 @@ class _DistributedOptimizer(WrapperCommon):
             modified = {p for p, m in zip(params, had[2 * n:3 * n].tolist()) if m}
             split = [p for p, a, b in zip(params, had[3 * n:4 * n].tolist(), had[4 * n:5 * n].tolist()) if a and b]
             if split:  # frozen on some ranks only: zeros here for what the others wait on, then raise
-                errors.append(MismatchError(_frozen_on_some_ranks([self._hvddp_names[p] for p in split])))
+                errors.append(MismatchError(frozen_on_some_ranks([self._hvddp_names[p] for p in split], "averaged")))
                 stand_ins = self._hvddp_stand_in([p for p in split if p in idle])
         dense = set() if had is None else {p for p, d in zip(params, had[n:2 * n].tolist()) if d}
         flights, self._hvddp_flights = self._hvddp_flights, []
