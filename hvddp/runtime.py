@@ -192,9 +192,22 @@ _singleton_cleanup_registered = False  # the exit-time removal of Open MPI's sin
 def _state() -> _State:
     s = _S
     if s is None:
-        raise NotInitializedError("hvddp is not initialized: call hvddp.init() first (after "
-                                  "hvddp.shutdown(), init() again).")
+        raise NotInitializedError(_not_initialized())
     return s
+
+
+def _not_initialized() -> str:
+    import multiprocessing
+
+    if multiprocessing.parent_process() is None:
+        return "hvddp is not initialized: call hvddp.init() first (after hvddp.shutdown(), init() again)."
+    # a process that multiprocessing started with 'spawn' or 'forkserver' (one forked from an
+    # initialized process has its state) imported hvddp afresh: init() there is another MPI job
+    return ("hvddp is not initialized in this process, a child process started by multiprocessing (e.g. "
+            "a DataLoader worker with multiprocessing_context='spawn' or 'forkserver'), which imported "
+            "hvddp afresh. Do not call hvddp.init() there (it would start a second MPI job, or fail): "
+            "read what it needs (hvddp.rank(), hvddp.size()) in the parent and pass it on, e.g. as the "
+            "dataset's attributes or bound into worker_init_fn with functools.partial.")
 
 
 def _import_mpi():

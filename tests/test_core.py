@@ -164,6 +164,27 @@ def test_calls_before_init_raise_clearly():
     assert result.stdout.count("ERR hvddp is not initialized: call hvddp.init() first") == 3, result
 
 
+def test_a_child_process_is_told_to_take_the_rank_from_its_parent():
+    """A process started by multiprocessing with 'spawn' (a DataLoader worker so started) imports
+    hvddp afresh: hvddp.init() there, which the message advised, would start another MPI job."""
+    code = ("import multiprocessing, hvddp\n"
+            "if __name__ == '__main__':\n"
+            "    with multiprocessing.get_context('spawn').Pool(1) as pool:\n"
+            "        try:\n            pool.apply(hvddp.rank)\n"
+            "        except hvddp.NotInitializedError as e:\n            print('CHILD', e)\n"
+            "    try:\n        hvddp.rank()\n"
+            "    except hvddp.NotInitializedError as e:\n        print('PARENT', e)\n")
+    result = _python(code)
+    child = [line for line in result.stdout.splitlines() if line.startswith("CHILD ")]
+    assert len(child) == 1, result
+    assert "child process" in child[0] and "DataLoader worker" in child[0], child
+    assert "in the parent and pass it on" in child[0] and "worker_init_fn" in child[0], child
+    assert "call hvddp.init() first" not in child[0], child  # (the wrong advice there)
+    parent = [line for line in result.stdout.splitlines() if line.startswith("PARENT ")]
+    assert parent == ["PARENT hvddp is not initialized: call hvddp.init() first (after hvddp.shutdown(), "
+                      "init() again)."], result
+
+
 @pytest.mark.parametrize("var,value", [("HVDDP_FUSION_THRESHOLD", "lots"), ("HOROVOD_CYCLE_TIME", "-1"),
                                        ("HVDDP_STALL_CHECK_DISABLE", "maybe"), ("HVDDP_LOG_LEVEL", "LOUD")])
 def test_bad_config_value_names_the_variable(var, value):
