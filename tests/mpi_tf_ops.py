@@ -917,8 +917,66 @@ def test_partial_tape_keeps_the_local_layers_gradients(mode):
     g = tape.gradient(loss, model.trainable_variables)
     np.testing.assert_allclose(g[0].numpy(), own[0], rtol=1e-6)
     np.testing.assert_allclose(g[1].numpy(), mean[1], rtol=1e-5)
+    # a Keras 2 (tf_keras) layer, as TF_USE_LEGACY_KERAS=1 makes tf.keras.layers.Dense: Horovod's
+    # tape reads only its trainable_weights (it was refused as "not a Keras layer")
+    keras2_layer = keras2_standin("Dense", "tf_keras.src.layers.core.dense", built=True,
+                                  trainable_weights=model.get_layer("local").trainable_weights)
+    np.testing.assert_equal(run(hvd.PartialDistributedGradientTape, local_layers=[keras2_layer]), partial)
     with pytest.raises(ValueError, match="local_layers must be Keras layers.*Received: str 'local'"):
         hvd.PartialDistributedGradientTape(tf.GradientTape(), local_layers=["local"])
+
+
+def keras2_standin(name, module, **attrs):
+    """An object of a class named as the tf_keras package's (Keras 2, which TF_USE_LEGACY_KERAS=1
+    makes tf.keras) are: what hvddp tells them by, as tf_keras is not installed here."""
+    return type(name, (), {"__module__": module, **attrs})()
+
+
+def test_keras2_objects_are_refused_naming_them_and_the_fix(tmp_path):
+    """tf_keras objects handed to what needs Keras 3 raise TypeError at once, naming the object and
+    the fix (Keras 3, or the tape), not an AttributeError deep in Keras (the callbacks, in
+    tf_keras' fit) or a SyncBatchNormalization recorded as bare ops (a tf_keras functional model)."""
+    import json
+    import zipfile
+
+    import hvddp.keras as hk
+    from hvddp.keras import callbacks, checkpoint, elastic
+
+    fix = r"\(Keras 2, from the tf_keras package\).*`import keras`.*DistributedGradientTape"
+    sgd = keras2_standin("SGD", "tf_keras.src.optimizers.sgd")
+    model = keras2_standin("Sequential", "tf_keras.src.engine.sequential")
+    with pytest.raises(TypeError, match=r"optimizer=tf_keras\.src\.optimizers\.sgd\.SGD " + fix):
+        hk.DistributedOptimizer(sgd)
+    with pytest.raises(TypeError, match=r"optimizer=tf_keras\.src\.optimizers\.sgd\.SGD \(Keras 2.*"
+                                        r"DistributedGradientTape.*`import keras`"):
+        hvd.DistributedOptimizer(sgd)
+    # tf_keras' CallbackList calls set_model before the Keras 2 hooks these callbacks lack
+    for callback in (callbacks.BroadcastGlobalVariablesCallback(0), callbacks.MetricAverageCallback(),
+                     callbacks.LearningRateWarmupCallback(initial_lr=0.1), hk.CheckpointCallback(str(tmp_path)),
+                     callbacks.BestModelCheckpoint(filepath=str(tmp_path / "m.keras")),
+                     elastic.UpdateEpochStateCallback(None)):
+        with pytest.raises(TypeError, match=f"{type(callback).__name__} needs Keras 3 objects; Received: "
+                                            r"tf_keras\.src\.engine\.sequential\.Sequential " + fix):
+            callback.set_model(model)
+    with pytest.raises(TypeError, match=r"KerasState: model must be a keras.Model \(Keras 3\); Received: "
+                                        r"tf_keras\.src\.engine\.sequential\.Sequential " + fix):
+        elastic.KerasState(model)
+    with pytest.raises(TypeError, match=r"save_checkpoint: model must be a Keras 3 model.*Sequential " + fix):
+        checkpoint.save_checkpoint(str(tmp_path / "c"), model)
+    with pytest.raises(TypeError, match=r"SyncBatchNormalization is a Keras 3 layer; Received: an input of type "
+                                        r"tf_keras\.src\.engine\.keras_tensor\.KerasTensor \(Keras 2.*"
+                                        r"`import keras`"):
+        hvd.SyncBatchNormalization()(keras2_standin("KerasTensor", "tf_keras.src.engine.keras_tensor"))
+    # a file tf_keras saved, which Keras 3 cannot load, says so (Keras 3's own error was about
+    # an optimizer argument or a metric it could not deserialize)
+    path = str(tmp_path / f"keras2_{RANK}.keras")
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("metadata.json", json.dumps({"keras_version": "2.21.0"}))
+        archive.writestr("config.json", json.dumps({"class_name": "Sequential", "module": "keras",
+                                                    "config": {"layers": [{"bad": 1}]}}))
+    with pytest.raises(ValueError, match=r"saved by Keras 2\.21\.0 \(Keras 2.*could not load it.*"
+                                         r"DistributedGradientTape.*save the model again from Keras 3"):
+        hk.load_model(path)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -14,7 +14,7 @@ import hvddp
 from hvddp import ProcessSet, _grouping, global_process_set
 from hvddp.checkpoint import root_of
 
-from . import _backend
+from . import _backend, _keras2
 from .functions import broadcast_variables
 from .optimizer import average_accumulators
 
@@ -32,7 +32,7 @@ def _sync_jax_state(model: Any) -> None:
         sync()
 
 
-class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+class BroadcastGlobalVariablesCallback(_keras2.Keras3Callback, keras.callbacks.Callback):
     """Copy ``root_rank``'s model and optimizer variables to every rank when training begins (or,
     for a model that its first step builds, at the end of that step, where Horovod always does).
 
@@ -137,7 +137,7 @@ def shared_variables(model: Any, optimizer: Any, local: Any = ()) -> list:
     return variables
 
 
-class MetricAverageCallback(keras.callbacks.Callback):
+class MetricAverageCallback(_keras2.Keras3Callback, keras.callbacks.Callback):
     """Replace each epoch's metric values (``logs``) by their average across ranks.
 
     Place it before callbacks that read the metrics (``ModelCheckpoint``, ``EarlyStopping``,
@@ -187,7 +187,7 @@ def _numeric(value: Any) -> Optional[np.ndarray]:
     return array.astype(np.float64) if array.dtype.kind in "biu" else None
 
 
-class LearningRateScheduleCallback(keras.callbacks.Callback):
+class LearningRateScheduleCallback(_keras2.Keras3Callback, keras.callbacks.Callback):
     """Set the learning rate to ``initial_lr * multiplier(epoch)`` for epochs in [start, end).
 
     With ``staircase=True`` (or a constant ``multiplier``) the rate changes at the start of each
@@ -369,7 +369,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 _UNSET = object()  # (an argument not given)
 
 
-class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+class BestModelCheckpoint(_keras2.Keras3Callback, keras.callbacks.ModelCheckpoint):
     """Horovod's: ``keras.callbacks.ModelCheckpoint`` that saves the model (or, with
     ``save_weights_only``, its weights) each time ``monitor`` improves (``save_best_only=True``),
     written by rank 0 only.

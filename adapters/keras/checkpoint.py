@@ -38,6 +38,7 @@ import hvddp
 from hvddp import checkpoint as _core
 from hvddp import global_process_set, ProcessSet
 
+from . import _keras2
 from .optimizer import average_accumulators
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointCallback"]
@@ -154,7 +155,8 @@ def _check_arguments(fn: str, path: Any, model: Any) -> None:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"{fn}: path must be a file path (str or os.PathLike); Received: path={path!r}.")
     if not isinstance(model, keras.Model):
-        raise TypeError(f"{fn}: model must be a Keras model; Received: model={type(model).__name__}.")
+        raise TypeError(f"{fn}: model must be a Keras 3 model; Received: model={_keras2.describe(model)}."
+                        f"{_keras2.fix(model)}")
 
 
 def _settle_pending_rng(model) -> None:
@@ -364,7 +366,7 @@ def _check_loadable(path: str, state: Dict[str, Any], mine: Dict[str, Any], shar
         _check_fit(own, mine["seeds"], "seed-generator", path)
 
 
-class CheckpointCallback(keras.callbacks.Callback):
+class CheckpointCallback(_keras2.Keras3Callback, keras.callbacks.Callback):
     """Call ``save_checkpoint(path, model, epoch=epoch + 1)`` at the end of every ``every`` epochs.
 
     Every rank must use the callback (it is collective). Resume with

@@ -24,7 +24,7 @@ import numpy as np
 from hvddp import global_process_set
 from hvddp.elastic import HostsUpdatedInterrupt, ObjectState, State, VariablesState, run
 
-from . import _backend
+from . import _backend, _keras2
 from .callbacks import shared_variables
 from .functions import broadcast_variables
 from .optimizer import average_accumulators
@@ -50,7 +50,8 @@ class KerasState(VariablesState):
 
     def __init__(self, model: Any, optimizer: Any = None, backend: Any = None, **kwargs: Any) -> None:
         if not isinstance(model, keras.Model):
-            raise TypeError(f"KerasState: model must be a keras.Model; Received: {type(model).__name__}.")
+            raise TypeError(f"KerasState: model must be a keras.Model (Keras 3); Received: "
+                            f"{_keras2.describe(model)}.{_keras2.fix(model)}")
         if not model.built:  # it has no variables yet: nothing would be kept or synced
             raise ValueError("KerasState: the model must be built first (give it a keras.Input, or call "
                              "model.build(input_shape)), as in Horovod; Received: an unbuilt model.")
@@ -77,7 +78,7 @@ class KerasState(VariablesState):
 TensorFlowKerasState = KerasState
 
 
-class CommitStateCallback(keras.callbacks.Callback):
+class CommitStateCallback(_keras2.Keras3Callback, keras.callbacks.Callback):
     """Commit ``state`` after every ``batches_per_commit`` training batches and at every epoch's
     end; the count starts again with each ``fit``."""
 
@@ -104,7 +105,7 @@ class CommitStateCallback(keras.callbacks.Callback):
         self.state.commit()
 
 
-class UpdateBatchStateCallback(keras.callbacks.Callback):
+class UpdateBatchStateCallback(_keras2.Keras3Callback, keras.callbacks.Callback):
     """Keep ``state.batch`` at the index of the last finished batch of the epoch; 0 at its end."""
 
     def __init__(self, state: State) -> None:
@@ -118,7 +119,7 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
         self.state.batch = 0
 
 
-class UpdateEpochStateCallback(keras.callbacks.Callback):
+class UpdateEpochStateCallback(_keras2.Keras3Callback, keras.callbacks.Callback):
     """Keep ``state.epoch`` at the number of epochs finished, counted from its value when the
     first epoch of ``fit`` began: ``fit(epochs=total - state.epoch)`` and
     ``fit(epochs=total, initial_epoch=state.epoch)`` both count on from there."""

@@ -21,7 +21,7 @@ from hvddp import Compression, ProcessSet, global_process_set
 
 from hvddp import _grouping
 
-from . import _backend
+from . import _backend, _keras2
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer", "load_model", "is_distributed"]
 
@@ -592,8 +592,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
         model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
     """
     if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer; Received: "
-                        f"optimizer={type(optimizer).__name__}.")
+        raise TypeError(f"DistributedOptimizer wraps a Keras 3 keras.optimizers.Optimizer; Received: "
+                        f"optimizer={_keras2.describe(optimizer)}.{_keras2.fix(optimizer)}")
     if is_distributed(optimizer):
         raise ValueError("DistributedOptimizer: this optimizer already averages gradients with hvddp; "
                          "wrap it once.")
@@ -805,17 +805,23 @@ def PartialDistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Opt
     return wrapped
 
 
+def _is_layer(obj: Any) -> bool:
+    return isinstance(obj, keras.layers.Layer) or (
+        not isinstance(obj, type) and hasattr(obj, "trainable_weights") and hasattr(obj, "built"))
+
+
 def local_layer_weights(local_layers: Any, who: str) -> List[Any]:
-    """The trainable weights of ``local_layers`` (a Keras layer, a list of them, or None)."""
+    """The trainable weights of ``local_layers`` (a Keras layer, a list of them, or None). A layer
+    is anything with ``trainable_weights`` and ``built``, as Horovod reads it: a Keras 2
+    (``tf_keras``) layer too, whose weights the TensorFlow tape keeps as well as Keras 3's."""
     if local_layers is None:
         return []
-    if isinstance(local_layers, (str, bytes)) or not (isinstance(local_layers, keras.layers.Layer)
-                                                      or hasattr(local_layers, "__iter__")):
+    if isinstance(local_layers, (str, bytes)) or not (_is_layer(local_layers) or hasattr(local_layers, "__iter__")):
         raise ValueError(f"{who}: local_layers must be a Keras layer or a list of them (the layer "
                          f"objects, not their names); Received: {type(local_layers).__name__} "
                          f"{local_layers!r}.")
-    layers = [local_layers] if isinstance(local_layers, keras.layers.Layer) else list(local_layers)
-    bad = [f"{type(layer).__name__} {layer!r}" for layer in layers if not isinstance(layer, keras.layers.Layer)]
+    layers = [local_layers] if _is_layer(local_layers) else list(local_layers)
+    bad = [f"{type(layer).__name__} {layer!r}" for layer in layers if not _is_layer(layer)]
     if bad:
         raise ValueError(f"{who}: local_layers must be Keras layers (the layer objects, not their "
                          f"names); Received: {', '.join(bad)}.")
@@ -871,7 +877,18 @@ def load_model(filepath: Any, custom_optimizers: Optional[List[type]] = None,
     objects = dict(custom_objects or {})
     for cls in custom_optimizers or ():
         objects.setdefault(cls.__name__, cls)
-    model = keras.models.load_model(filepath, custom_objects=objects or None, **kwargs)
+    try:
+        model = keras.models.load_model(filepath, custom_objects=objects or None, **kwargs)
+    except Exception as exc:
+        version = _keras2.saved_version(filepath)
+        if version is None or version.startswith("3."):
+            raise
+        raise ValueError(f"load_model: {filepath!r} was saved by Keras {version} (Keras 2: tf_keras, or "
+                         f"tf.keras before TensorFlow 2.16), and Keras 3 could not load it ({type(exc).__name__}: "
+                         f"{exc}). hvd.load_model makes Keras 3 models; load this file with Keras 2 "
+                         f"(tf.keras.models.load_model with TF_USE_LEGACY_KERAS=1) and train it with "
+                         f"hvddp.tensorflow's DistributedGradientTape, or save the model again from Keras 3."
+                         ) from exc
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and not is_distributed(optimizer):
         config = optimizer.get_config()

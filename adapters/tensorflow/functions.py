@@ -174,11 +174,15 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, use_locking
     """
     import keras
 
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(f"hvddp.tensorflow.DistributedOptimizer wraps a keras.optimizers.Optimizer (TF1's "
-                        f"legacy optimizers are not supported); Received: optimizer={type(optimizer).__name__}. "
-                        f"For a custom loop, hvd.DistributedGradientTape(tape) averages the gradients instead.")
     from hvddp.keras import DistributedOptimizer as keras_distributed
+    from hvddp.keras._keras2 import describe
+
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"hvddp.tensorflow.DistributedOptimizer wraps a Keras 3 keras.optimizers.Optimizer "
+                        f"(TF1's legacy optimizers and Keras 2's, tf_keras, are not supported); Received: "
+                        f"optimizer={describe(optimizer)}. For a custom loop, hvd.DistributedGradientTape(tape) "
+                        f"averages the gradients instead, with any optimizer; or build the optimizer from "
+                        f"`import keras` (Keras 3).")
 
     return keras_distributed(optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
                              compression=compression, sparse_as_dense=sparse_as_dense,

@@ -10,6 +10,7 @@ import tensorflow as tf
 
 import hvddp
 from hvddp import _grouping, global_process_set
+from hvddp.keras._keras2 import describe, is_keras2
 
 from .ops import allreduce
 
@@ -46,6 +47,18 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
 
             process_set = _restore_process_set("global" if process_set is None else list(process_set), None)
         self._hvddp_process_set = _grouping.check_process_set(process_set, "SyncBatchNormalization")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # a Keras 2 (tf_keras) functional model would record this Keras 3 layer as plain
+        # TensorFlow ops: its gamma and beta untracked, untrained, its moving statistics frozen
+        symbolic = [x for x in tf.nest.flatten((args, kwargs)) if is_keras2(x)]
+        if symbolic:
+            raise TypeError(f"SyncBatchNormalization is a Keras 3 layer; Received: an input of type "
+                            f"{describe(symbolic[0])}, which a tf_keras functional model would record as plain "
+                            f"TensorFlow ops, without the layer's weights or moving statistics. Build the model "
+                            f"from `import keras` (Keras 3), or call the layer inside a tf_keras subclassed "
+                            f"model's call(), which tracks its weights.")
+        return super().__call__(*args, **kwargs)
 
     def _moments(self, inputs, mask):
         ps = self._hvddp_process_set
