@@ -88,6 +88,14 @@ def too_many_passes(optimizer, p: torch.Tensor) -> HvddpError:
         f"checkpoint.)")
 
 
+def split_parameters(params: list, trains: Any) -> list:
+    """The parameters trained on some ranks only, from the step's presence bytes after their Max
+    reduction: ``trains`` holds a byte per parameter (1 where a rank trains it) then its
+    complement (1 where a rank leaves it alone); both are 1 for such a parameter."""
+    n = len(params)
+    return [p for p, a, b in zip(params, trains[:n].tolist(), trains[n:2 * n].tolist()) if a and b]
+
+
 def frozen_on_some_ranks(names: list, combined: str) -> str:
     """The error when the step's presence bytes show parameters reduced on some ranks only."""
     return (f"DistributedOptimizer: parameter {names[0]!r} is frozen on some ranks and trains on others "

@@ -21,7 +21,8 @@ import torch
 import hvddp
 from hvddp import Adasum, HvddpError, MismatchError, ProcessSet
 
-from ._wrapper import WrapperCommon, check_passes, frozen_on_some_ranks, remove_hooks, too_many_passes, weak_hook
+from ._wrapper import (WrapperCommon, check_passes, frozen_on_some_ranks, remove_hooks, split_parameters,
+                       too_many_passes, weak_hook)
 from .compression import Compressor
 from .mpi_ops import allreduce_async_, synchronize
 
@@ -142,8 +143,7 @@ class _DistributedAdasumOptimizer(WrapperCommon):
         names, so that every rank's calls end) and return the error to raise, else nothing."""
         handle, had, params = sent
         hvddp.synchronize(handle)
-        n = len(params)
-        split = [p for p, a, b in zip(params, had[:n].tolist(), had[n:].tolist()) if a and b]
+        split = split_parameters(params, had)
         if not split:
             return []
         errors = [MismatchError(frozen_on_some_ranks([self._hvddp_names[p] for p in split], "combined by Adasum"))]

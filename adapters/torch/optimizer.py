@@ -39,8 +39,8 @@ from hvddp.ops import _op as _check_op
 
 from ._convert import as_numpy
 from ._sparse import sparse_rows_async
-from ._wrapper import (WrapperCommon, check_passes, check_real, frozen_on_some_ranks, remove_hooks, too_many_passes,
-                       weak_hook)
+from ._wrapper import (WrapperCommon, check_passes, check_real, frozen_on_some_ranks, remove_hooks, split_parameters,
+                       too_many_passes, weak_hook)
 from .adasum import _DistributedAdasumOptimizer, check_adasum_set
 from .compression import Compression, Compressor, native
 from .mpi_ops import allreduce, allreduce_async_, grouped_allreduce_async_
@@ -577,7 +577,7 @@ class _DistributedOptimizer(WrapperCommon):
             if int(had[5 * n]) + int(had[5 * n + 1]) != 255:  # some rank's settings differ from another's
                 errors.append(MismatchError(_settings_differ(int(had[5 * n]), 255 - int(had[5 * n + 1]))))
             modified = {p for p, m in zip(params, had[2 * n:3 * n].tolist()) if m}
-            split = [p for p, a, b in zip(params, had[3 * n:4 * n].tolist(), had[4 * n:5 * n].tolist()) if a and b]
+            split = split_parameters(params, had[3 * n:5 * n])
             if split:  # frozen on some ranks only: zeros here for what the others wait on, then raise
                 errors.append(MismatchError(frozen_on_some_ranks([self._hvddp_names[p] for p in split], "averaged")))
                 stand_ins = self._hvddp_stand_in([p for p in split if p in idle])
