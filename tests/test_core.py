@@ -18,11 +18,12 @@ def test_core_collectives(np_):
     run_pytest(np_, "tests/mpi_core.py", timeout=300)
 
 
-@pytest.mark.parametrize("np_", [2, 3, 4])
+@pytest.mark.parametrize("np_", [2, 4])
 def test_core_collectives_through_cross_memory_for_every_size(np_):
     """Threshold 0: every allreduce group takes the single-copy path (ops, dtypes, join, sets).
 
-    Four ranks: three peers share the scratch array, in regions of an odd size."""
+    Four ranks: three peers share the scratch array, in regions of an odd size. (At 3 ranks the
+    default threshold's run, test_core_collectives[3], takes that path for its large arrays.)"""
     run_pytest(np_, "tests/mpi_core.py", timeout=300, env={"HVDDP_CMA_THRESHOLD": "0"})
 
 
