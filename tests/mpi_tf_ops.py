@@ -10,7 +10,9 @@ import hvddp.tensorflow as hvd
 
 pytestmark = pytest.mark.np3  # at 3 ranks too, but for the tf.function forms:
 # those trace what the eager forms run, with the same dependence on the number of ranks; marked
-# "traced", they run at 2 ranks only, which makes the 3-rank launch (3 ranks on 2 cores) far shorter
+# "traced", they run at 2 ranks only, which makes the 3-rank launch (3 ranks on 2 cores) far shorter.
+# So do the tests of tracing itself (XLA's refusal, unknown static shapes, unnamed ops traced
+# on one rank, Horovod's broadcast in the first batch): 28 s of that launch's 78 s here.
 MODES = ["eager", pytest.param("function", marks=pytest.mark.traced)]
 
 hvd.init()
@@ -198,6 +200,7 @@ def test_horovods_mpi_ops_module_ports():
     assert int(mpi_ops.size_op()) == hvd.size() and mpi_ops.allgather(tf.ones([1])).shape == [hvd.size()]
 
 
+@pytest.mark.traced
 def test_xla_raises_a_clear_error():
     @tf.function(jit_compile=True)
     def step(x):
@@ -436,6 +439,7 @@ def test_local_and_global_gradients_of_one_source():
         np.testing.assert_allclose(pairs[0][1].numpy(), [expected] * 2)
 
 
+@pytest.mark.traced
 def test_tape_in_a_function_with_unknown_static_shapes():
     """A watched input of unknown length inside tf.function: the reduction runs at run time on
     the concrete shapes (nothing needs the static shape when the function is traced)."""
@@ -497,6 +501,7 @@ def test_reducescatter_and_alltoall_gradients(mode):
     np.testing.assert_allclose(d_a2a, rows)  # rows 2r, 2r+1 went to rank r
 
 
+@pytest.mark.traced
 def test_horovod_tf2_example_broadcasts_inside_the_function_on_the_first_batch():
     """Horovod's TF2 examples call broadcast_variables inside the tf.function of the training
     step, on the first batch, for the model's and the optimizer's variables."""
@@ -765,6 +770,7 @@ def test_sync_batch_normalization_outside_its_process_set_normalizes_locally():
     hvd.remove_process_set(pair)
 
 
+@pytest.mark.traced
 def test_unnamed_ops_in_a_function_match_when_one_rank_traced_and_built_more():
     """Rank 0 alone traces one more function and builds one more layer first: the unnamed
     collectives in a loop body, a branch and a SyncBatchNormalization inside a tf.function must
