@@ -150,14 +150,3 @@ def test_resume_without_rng_state_diverges(killed_job):
     torch = pytest.importorskip("torch")
     ref, got = killed_job[0], _resumed_weights(killed_job, "no_rng", "--no-rng")
     assert not all(torch.equal(ref[k], got[k]) for k in ref)
-
-
-def test_keras_checkpoint_resumes_fit_exactly(tmp_path):
-    """Keras 3 (torch backend, the fastest to start here; the script also passes on tensorflow
-    and jax): a model restored from an epoch-2 checkpoint and trained to epoch 4 equals one
-    trained to epoch 4 without interruption, dropout included."""
-    pytest.importorskip("keras")
-    pytest.importorskip("torch")
-    result = run(2, ["tests/fault_scripts/resume_keras.py", str(tmp_path)], timeout=240,
-                 env={"KERAS_BACKEND": "torch"})
-    assert result.stdout.count("KERAS RESUME OK (torch)") == 2, result.stdout
