@@ -532,6 +532,9 @@ def run_torch_workers(section, mode, check, on_stand_in):
         row(section, check, None, "torch has no CUDA (install a CUDA build)")
         return
     run_workers(1, mode, section)
+    if FAKE_CUPY:  # CPU tensors on the stand-in: at 2 ranks that is tests/test_torch.py's (18 s more)
+        row(section, f"{check} at np=2", None, "on the CPU stand-in, np=1 only")
+        return
     shared = torch.cuda.device_count() < 2
     run_workers(2, mode, section, extra_env={"HVDDP_GPU_OPERATIONS": "MPI"} if shared else None)
 
