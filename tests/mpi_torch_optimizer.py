@@ -1557,6 +1557,42 @@ def test_a_parameter_frozen_after_wrapping_stays_put():
     assert_replicas_identical(model, "frozen.after")
 
 
+@pytest.mark.parametrize("groups", ["mixed", "int", "mixed_model_zero_grad"])
+def test_groups_with_a_parameter_frozen_at_wrapping_match_one_process(groups):
+    """fc1.weight frozen when wrapped, on every rank, in a group with trained parameters (a
+    fine-tuning script that unfreezes a layer later): the group reduces its trained members, then
+    fc1.weight too from the step after it is unfrozen; one process throughout. With
+    ``model.zero_grad()`` instead of the optimizer's, the group has gone without fc1.weight by the
+    time step() sees it unfrozen: it is reduced on its own that step, with its group the next."""
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    for m in (ref, model):
+        m.fc1.weight.requires_grad_(False)
+    grouping = 2 if groups == "int" else [[model.fc1.weight, model.fc2.weight], [model.fc1.bias, model.fc2.bias]]
+    ref_opt = OPTIMIZERS["sgd"](ref.parameters())
+    opt = hvd.DistributedOptimizer(OPTIMIZERS["sgd"](model.parameters()),
+                                   named_parameters=model.named_parameters(), groups=grouping)
+    frozen = model.fc1.weight.detach().clone()
+    for step in range(STEPS):
+        if step == 2:
+            for m in (ref, model):
+                m.fc1.weight.requires_grad_(True)
+        if groups == "mixed_model_zero_grad":
+            ref.zero_grad()
+            model.zero_grad()
+            x, y = batch(step)
+            sum(shard_loss(ref, x, y, s) for s in range(N)).div(N).backward()
+            shard_loss(model, x, y, R).backward()
+            ref_opt.step()
+            opt.step()
+        else:
+            train_step(model, ref, opt, ref_opt, step)
+        assert torch.equal(model.fc1.weight, frozen) == (step < 2)
+        assert_parity(model, ref)
+    assert_replicas_identical(model, f"groups.frozen.{groups}")
+
+
 @pytest.mark.parametrize("kind", ["ungrouped", "grouped", "adasum"])
 @pytest.mark.parametrize("how", ["frozen_later", "frozen_at_wrapping", "unfrozen_later"])
 def test_a_parameter_frozen_on_one_rank_only_raises_on_every_rank(how, kind):
@@ -1589,8 +1625,6 @@ def test_a_parameter_frozen_on_one_rank_only_raises_on_every_rank(how, kind):
         with pytest.raises(hvd.MismatchError, match=r"'fc1.weight' is frozen on some ranks and trains on others"):
             opt.step()
         assert torch.equal(flat(model), before)
-        if how == "frozen_at_wrapping" and grouped:
-            return  # (wrapped with fc1 frozen, the last rank left it out of its group for good)
     model.fc1.requires_grad_(True)  # the ranks agree again
     for step in (2, 3):
         opt.zero_grad()

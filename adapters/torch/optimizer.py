@@ -257,10 +257,15 @@ class _DistributedOptimizer(WrapperCommon):
             if p.requires_grad and p not in seen:
                 seen.add(p)
                 self._hvddp_params.append(p)
-        # frozen now: reduced from the first synchronize() after they are unfrozen
+        # frozen now: reduced once unfrozen (adopted at the next zero_grad() or synchronize())
         self._hvddp_frozen = [p for p in self._hvddp_names if not p.requires_grad]
+        # Groups are made of the optimizer's parameters whether they train now or not, so that
+        # every rank has the same groups whatever each froze; each reduces its members that train
+        # (``_hvddp_live``), and one frozen now joins its group's reduction once unfrozen.
         self._hvddp_groups = self._hvddp_make_groups(groups)
         self._hvddp_group_of = {p: gi for gi, members in enumerate(self._hvddp_groups) for p in members}
+        tracked = set(self._hvddp_params)
+        self._hvddp_live = [[p for p in members if p in tracked] for members in self._hvddp_groups]
         self._hvddp_delay: Dict[torch.Tensor, int] = {p: self._hvddp_bpps for p in self._hvddp_params}
         self._hvddp_touched: set = set()
         self._hvddp_submitted: set = set()
@@ -289,12 +294,11 @@ class _DistributedOptimizer(WrapperCommon):
         if isinstance(groups, numbers.Integral) and not isinstance(groups, bool):
             if groups < 1:
                 raise ValueError(f"`groups` must be >= 1 (or a list of parameter lists), got {groups}.")
-            return [g for g in _split_list(self._hvddp_params, int(groups)) if g]
+            return [g for g in _split_list(list(self._hvddp_names), int(groups)) if g]
         if not isinstance(groups, (list, tuple)) or not all(isinstance(g, (list, tuple)) for g in groups):
             raise TypeError(f"`groups` must be an int or a list of lists of parameters, got {groups!r}.")
-        # As Horovod: a tensor that is no trainable parameter of this optimizer (frozen, say) is
-        # left out of its group; one frozen now is reduced on its own once unfrozen.
-        valid = set(self._hvddp_params)
+        # As Horovod: a tensor that is no parameter of this optimizer is left out of its group.
+        valid = self._hvddp_names
         out, seen = [], set()
         for gi, group in enumerate(groups):
             kept = []
@@ -317,6 +321,14 @@ class _DistributedOptimizer(WrapperCommon):
         self._hvddp_full_names[p] = self._hvddp_prefix + self._hvddp_names[p]
         super()._hvddp_added(p)
 
+    def _hvddp_track(self, p: torch.Tensor) -> None:
+        """Also reduce ``p`` with its group (if any) from now on."""
+        super()._hvddp_track(p)
+        gi = self._hvddp_group_of.get(p)
+        if gi is not None:
+            tracked = set(self._hvddp_params)
+            self._hvddp_live[gi] = [m for m in self._hvddp_groups[gi] if m in tracked]
+
     # backward side -----------------------------------------------------------------------
     def _hvddp_hook(self, p: torch.Tensor) -> None:
         delay = self._hvddp_delay[p]
@@ -336,8 +348,8 @@ class _DistributedOptimizer(WrapperCommon):
             return
         ready = self._hvddp_group_ready.setdefault(gi, set())
         ready.add(p)
-        if len(ready) == len(self._hvddp_groups[gi]):
-            self._hvddp_submit(self._hvddp_groups[gi], gi)
+        if len(ready) == len(self._hvddp_live[gi]):
+            self._hvddp_submit(self._hvddp_live[gi], gi)
 
     def _hvddp_submit_one(self, p: torch.Tensor) -> None:
         grad = p.grad
@@ -429,19 +441,19 @@ class _DistributedOptimizer(WrapperCommon):
             p.grad = None  # the zeros were a stand-in
         return self._hvddp_sparse_flight(p, sent if sparse else None)
 
-    def _hvddp_stand_in(self, params: List[torch.Tensor]) -> List[torch.Tensor]:
+    def _hvddp_stand_in(self, params: List[torch.Tensor]) -> None:
         """Submit zeros for ``params``, left alone here (frozen) and reduced on another rank, under
         the names that rank used, so that its reductions end (in an error where the ranks' calls
-        differ); returns them. A parameter in a group some of whose members were submitted needs
+        differ). A parameter in a group some of whose members were submitted needs
         none: that group's size differs from the other rank's, which fails it on every rank."""
+        wanted = set(params)
         for gi in sorted({self._hvddp_group_of[p] for p in params if p in self._hvddp_group_of}):
             members = self._hvddp_groups[gi]
-            if not any(p in self._hvddp_submitted for p in members):
-                self._hvddp_submit(members, gi)
+            if not any(p in self._hvddp_submitted for p in members):  # (what the others sent of it)
+                self._hvddp_submit([p for p in members if p in wanted], gi)
         for p in params:
             if p not in self._hvddp_group_of:
                 self._hvddp_submit([p], None)
-        return params
 
     # public API ---------------------------------------------------------------------------
     def set_backward_passes_per_step(self, passes: int) -> None:
@@ -508,8 +520,11 @@ class _DistributedOptimizer(WrapperCommon):
         what ``_hvddp_finish`` takes: its handle, the bytes sent, the gradients changed here, the
         parameters the bytes are about and those left alone here (frozen)."""
         self._hvddp_filled = set()  # (filled below; none left from a step an error cut short)
-        if self._hvddp_frozen:
+        adopted = False
+        if self._hvddp_frozen:  # (unfrozen since zero_grad(), or zero_grad() was not called)
+            count = len(self._hvddp_params)
             self._hvddp_adopt_unfrozen()
+            adopted = len(self._hvddp_params) != count
         modified = {p for p, (g, v) in self._hvddp_versions.items()
                     if p.grad is not g or (v is not None and g._version != v)}
         self._hvddp_versions.clear()
@@ -517,10 +532,16 @@ class _DistributedOptimizer(WrapperCommon):
         # process (zeros would still move it through momentum or weight decay); every rank froze it
         idle = [p for p in self._hvddp_params if p.grad is None and not p.requires_grad]
         idle = set(idle) if idle else ()
-        for gi, members in enumerate(self._hvddp_groups):
+        for gi, members in enumerate(self._hvddp_live):
             live = [p for p in members if p not in idle] if idle else members
-            if live and live[0] not in self._hvddp_submitted:
+            if not live or (live[0] in self._hvddp_submitted and not adopted):
+                continue
+            left = [p for p in live if p not in self._hvddp_submitted]
+            if len(left) == len(live):
                 self._hvddp_submit(live, gi)
+            else:  # unfrozen since the backward pass that sent its group: on its own this step
+                for p in left:
+                    self._hvddp_submit_one(p)
         for p in self._hvddp_params:
             if p not in self._hvddp_submitted and p not in self._hvddp_group_of and p not in idle:
                 self._hvddp_submit_one(p)
@@ -580,7 +601,8 @@ class _DistributedOptimizer(WrapperCommon):
             split = split_parameters(params, had[3 * n:5 * n])
             if split:  # frozen on some ranks only: zeros here for what the others wait on, then raise
                 errors.append(MismatchError(frozen_on_some_ranks([self._hvddp_names[p] for p in split], "averaged")))
-                stand_ins = self._hvddp_stand_in([p for p in split if p in idle])
+                stand_ins = [p for p in split if p in idle]
+                self._hvddp_stand_in(stand_ins)
         dense = set() if had is None else {p for p, d in zip(params, had[n:2 * n].tolist()) if d}
         flights, self._hvddp_flights = self._hvddp_flights, []
         for flight in flights:
@@ -783,6 +805,8 @@ class _DistributedOptimizer(WrapperCommon):
                 f"zero_grad() was called after backward() and before step() or synchronize(): "
                 f"{len(self._hvddp_touched)} gradient(s) (e.g. {some}) are being reduced into "
                 f"p.grad. Call step() or synchronize() first.")
+        if getattr(self, "_hvddp_frozen", None):  # unfrozen ones are reduced in this backward's hooks
+            self._hvddp_adopt_unfrozen()
         return super().zero_grad(*args, **kwargs)  # (its own signature and defaults, as in Horovod)
 
 
