@@ -1066,6 +1066,27 @@ def test_lists_that_diverge_after_good_steps_raise_on_every_rank():
     assert hvd.allgather_object("after") == ["after"] * SIZE  # and the engine goes on
 
 
+def test_unfreezing_without_compiling_again_names_the_fix():
+    """Keras' fine-tuning guide compiles again after a layer's `trainable` changes. On JAX a fit
+    without it hands the optimizer more gradients than the variables it was built with, and the
+    error said only "pass one gradient per trainable variable" (one process's Keras says what
+    changed); now it names the fix, on every rank. (TensorFlow reuses its traced step and trains
+    the old variables, torch's Keras raises its own "Unknown variable", as in one process.)"""
+    if BACKEND != "jax" or SIZE == 1:
+        pytest.skip("the JAX backend's stateless step, with ranks to reduce over")
+    model = make_model(unused=False)
+    model.layers[0].trainable = False
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                  loss="sparse_categorical_crossentropy")
+    x, y = global_data()
+    model.fit(shard(x), shard(y), batch_size=GLOBAL_BATCH // SIZE, epochs=1, verbose=0)
+    model.layers[0].trainable = True
+    with pytest.raises(ValueError, match="got 4 gradients for the 2 variables.*compile the model again "
+                                         "with a new DistributedOptimizer"):
+        model.fit(shard(x), shard(y), batch_size=GLOBAL_BATCH // SIZE, epochs=1, verbose=0)
+    assert hvd.allgather_object("after") == ["after"] * SIZE
+
+
 def test_a_users_own_error_in_fit_is_not_replaced_by_an_hvddp_error_it_caught():
     """fit re-raises an hvddp error the compiled step wrapped (above); one the user's callback
     caught and handled earlier in the same fit must not take the place of the user's own later

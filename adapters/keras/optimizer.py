@@ -122,8 +122,11 @@ class _DistributedOptimizerMixin:
             # rank): the summed passes' scale alone, in the backend's ops (so XLA compiles the step)
             return [_scaled(g, settings["postscale"]) for g in grads]
         if len(grads) != len(variables):
-            raise ValueError(f"{type(self).__name__}: got {len(grads)} gradients for {len(variables)} "
-                             f"variables; pass one gradient per trainable variable.")
+            raise ValueError(f"{type(self).__name__}: got {len(grads)} gradients for the {len(variables)} "
+                             f"variables it updates; pass one gradient per trainable variable. If a "
+                             f"layer's `trainable` changed after this optimizer was built (fine-tuning), "
+                             f"compile the model again with a new DistributedOptimizer: Keras' optimizers "
+                             f"do not take on new variables.")
         if any(local):  # registered local variables keep this rank's gradient
             _check_no_global_clipnorm(self)
             return self._hvddp_reduce_shared(grads, variables, local, settings)
