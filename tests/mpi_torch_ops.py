@@ -10,6 +10,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import hvddp.torch as hvd
 
@@ -809,6 +810,41 @@ def test_broadcast_optimizer_state(kind):
     hvd.broadcast_optimizer_state(fresh, root_rank=N - 1)
     assert fresh.param_groups[0]["lr"] == pytest.approx((0.1 if kind == "sgd" else 0.01) * N)
     assert fresh.state_dict()["state"] == {}
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_broadcast_optimizer_state_keeps_the_roots_strides(fused):
+    """A transposed and a channels_last parameter: the root's momentum buffers follow their
+    strides, and other ranks got contiguous ones; torch's fused SGD pairs a buffer with its
+    parameter by memory position, so two steps after the broadcast those ranks' parameters were
+    0.9 apart from the root's, silently. Now every rank's buffers have the root's strides, and
+    the replicas stay identical."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(3, 6).t())
+    conv = torch.nn.Conv2d(2, 4, 3).to(memory_format=torch.channels_last)
+    params = [("w", w)] + list(conv.named_parameters())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in params], lr=0.1, momentum=0.9, fused=fused),
+                                   named_parameters=params)
+    hvd.broadcast_parameters(params, root_rank=0)
+
+    def step(s):
+        g = torch.Generator().manual_seed(s + 10 * R)
+        x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+        opt.zero_grad()
+        (F.mse_loss(x @ w, y) + conv(torch.randn(1, 2, 5, 5, generator=g)).square().mean()).backward()
+        opt.step()
+
+    step(0)
+    step(1)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    strides = [(opt.state[p]["momentum_buffer"].stride(), p.stride()) for _, p in params]
+    step(2)
+    step(3)
+    flat = torch.cat([p.detach().reshape(-1) for _, p in params])
+    every = hvd.allgather(flat[None], name=f"bos.strides.{fused}")
+    assert all(mine == its for mine, its in strides), f"momentum vs parameter strides: {strides}"
+    for r in range(N):
+        assert torch.equal(every[r], flat), f"rank {r}'s parameters differ from rank {R}'s"
 
 
 @pytest.mark.parametrize("target", ["wrapper", "wrapped"])

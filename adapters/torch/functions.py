@@ -20,25 +20,29 @@ __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_objec
 
 class _TensorSpec:
     """What a state tensor looks like on the root, so other ranks can allocate it: its shape,
-    dtype, and whether it lives with its parameter (a momentum buffer on the GPU) or on the CPU
-    whatever the parameter's device (Adam's ``step``)."""
+    dtype, strides, and whether it lives with its parameter (a momentum buffer on the GPU) or on
+    the CPU whatever the parameter's device (Adam's ``step``). The strides too: torch's fused
+    optimizers pair a state tensor with its parameter by memory position, so a contiguous buffer
+    beside a channels_last or transposed parameter (the root's follows the parameter) made the
+    other ranks' updates wrong, and the replicas parted silently."""
 
-    __slots__ = ("shape", "dtype", "with_param")
+    __slots__ = ("shape", "dtype", "stride", "with_param")
 
     def __init__(self, tensor: torch.Tensor, param: Optional[torch.Tensor]) -> None:
         self.shape = tuple(tensor.shape)
         self.dtype = tensor.dtype
+        self.stride = tuple(tensor.stride())
         self.with_param = param is not None and tensor.device == param.device
 
     def empty(self, param: Optional[torch.Tensor]) -> torch.Tensor:
         device = param.device if self.with_param and param is not None else torch.device("cpu")
-        return torch.empty(self.shape, dtype=self.dtype, device=device)
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=device)
 
     def __getstate__(self):
-        return (self.shape, str(self.dtype).replace("torch.", ""), self.with_param)
+        return (self.shape, str(self.dtype).replace("torch.", ""), self.stride, self.with_param)
 
     def __setstate__(self, state):
-        self.shape, dtype, self.with_param = state
+        self.shape, dtype, self.stride, self.with_param = state
         self.dtype = getattr(torch, dtype)
 
 
