@@ -803,8 +803,11 @@ class _DistributedOptimizer(WrapperCommon):
                     f"(it averages the passes so far; with uneven data, call it before join()).")
             raise HvddpError(
                 f"zero_grad() was called after backward() and before step() or synchronize(): "
-                f"{len(self._hvddp_touched)} gradient(s) (e.g. {some}) are being reduced into "
-                f"p.grad. Call step() or synchronize() first.")
+                f"{len(self._hvddp_touched)} gradient(s) of this DistributedOptimizer's parameters "
+                f"(e.g. {some}) are being reduced into p.grad. Call step() or synchronize() first; "
+                f"or, if that backward pass was meant for another optimizer's parameters (a GAN's "
+                f"generator step runs through the discriminator), turn off requires_grad on these "
+                f"parameters for that pass (each wrapped parameter reduces every gradient it gets).")
         if getattr(self, "_hvddp_frozen", None):  # unfrozen ones are reduced in this backward's hooks
             self._hvddp_adopt_unfrozen()
         return super().zero_grad(*args, **kwargs)  # (its own signature and defaults, as in Horovod)
