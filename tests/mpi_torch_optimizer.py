@@ -1563,14 +1563,17 @@ def test_groups_with_a_parameter_frozen_at_wrapping_match_one_process(groups):
     """fc1.weight frozen when wrapped, on every rank, in a group with trained parameters (a
     fine-tuning script that unfreezes a layer later): the group reduces its trained members, then
     fc1.weight too from the step after it is unfrozen; one process throughout. With
-    ``model.zero_grad()`` instead of the optimizer's, the group has gone without fc1.weight by the
-    time step() sees it unfrozen: it is reduced on its own that step, with its group the next."""
+    ``model.zero_grad()`` instead of the optimizer's, step() is the first to see it unfrozen: it
+    is reduced on its own that step, with its group from the next. The groups also hold a branch
+    only the first rank uses, so that a group goes during backward on that rank and waits for
+    step() on the others (which then sent it whole with fc1.weight: every rank raised)."""
     torch.manual_seed(0)
-    ref = Net()
+    ref = Net(extra=True)
     model = copy.deepcopy(ref)
     for m in (ref, model):
         m.fc1.weight.requires_grad_(False)
-    grouping = 2 if groups == "int" else [[model.fc1.weight, model.fc2.weight], [model.fc1.bias, model.fc2.bias]]
+    grouping = 2 if groups == "int" else [[model.fc1.weight, model.fc2.weight, model.branch.weight],
+                                          [model.fc1.bias, model.fc2.bias, model.branch.bias, model.unused.weight]]
     ref_opt = OPTIMIZERS["sgd"](ref.parameters())
     opt = hvd.DistributedOptimizer(OPTIMIZERS["sgd"](model.parameters()),
                                    named_parameters=model.named_parameters(), groups=grouping)

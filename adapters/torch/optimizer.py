@@ -520,11 +520,11 @@ class _DistributedOptimizer(WrapperCommon):
         what ``_hvddp_finish`` takes: its handle, the bytes sent, the gradients changed here, the
         parameters the bytes are about and those left alone here (frozen)."""
         self._hvddp_filled = set()  # (filled below; none left from a step an error cut short)
-        adopted = False
+        adopted: Any = ()
         if self._hvddp_frozen:  # (unfrozen since zero_grad(), or zero_grad() was not called)
             count = len(self._hvddp_params)
             self._hvddp_adopt_unfrozen()
-            adopted = len(self._hvddp_params) != count
+            adopted = set(self._hvddp_params[count:])
         modified = {p for p, (g, v) in self._hvddp_versions.items()
                     if p.grad is not g or (v is not None and g._version != v)}
         self._hvddp_versions.clear()
@@ -532,18 +532,16 @@ class _DistributedOptimizer(WrapperCommon):
         # process (zeros would still move it through momentum or weight decay); every rank froze it
         idle = [p for p in self._hvddp_params if p.grad is None and not p.requires_grad]
         idle = set(idle) if idle else ()
+        # Unfrozen since this backward pass began (no zero_grad() between): on its own this step,
+        # with its group from the next, whether or not the group went during backward here (which
+        # depends on this rank's gradients: another rank may still be waiting for a branch's).
+        skip = idle if not adopted else adopted.union(idle)
         for gi, members in enumerate(self._hvddp_live):
-            live = [p for p in members if p not in idle] if idle else members
-            if not live or (live[0] in self._hvddp_submitted and not adopted):
-                continue
-            left = [p for p in live if p not in self._hvddp_submitted]
-            if len(left) == len(live):
+            live = [p for p in members if p not in skip] if skip else members
+            if live and live[0] not in self._hvddp_submitted:
                 self._hvddp_submit(live, gi)
-            else:  # unfrozen since the backward pass that sent its group: on its own this step
-                for p in left:
-                    self._hvddp_submit_one(p)
         for p in self._hvddp_params:
-            if p not in self._hvddp_submitted and p not in self._hvddp_group_of and p not in idle:
+            if p not in self._hvddp_submitted and p not in idle and (p not in self._hvddp_group_of or p in adopted):
                 self._hvddp_submit_one(p)
         # which parameters some rank had a gradient for (a byte each: 0 none, 1 dense, 1 + its
         # sparse dimensions if sparse): one that no rank had goes back to None after its zeros are
