@@ -73,10 +73,11 @@ def assert_parity(model, ref, rtol=1e-5, atol=1e-6):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
-def train_step(model, ref, opt, ref_opt, step: int) -> None:
-    """One step of the reference (all B rows, one process) and of this rank (its shard)."""
-    ref_opt.zero_grad()
-    opt.zero_grad()
+def train_step(model, ref, opt, ref_opt, step: int, zero_models: bool = False) -> None:
+    """One step of the reference (all B rows, one process) and of this rank (its shard);
+    ``zero_models``: the gradients zeroed by the models' ``zero_grad()``, not the optimizers'."""
+    for zeroed in (ref, model) if zero_models else (ref_opt, opt):
+        zeroed.zero_grad()
     x, y = batch(step)
     sum(shard_loss(ref, x, y, s) for s in range(N)).div(N).backward()
     shard_loss(model, x, y, R).backward()
@@ -1582,16 +1583,7 @@ def test_groups_with_a_parameter_frozen_at_wrapping_match_one_process(groups):
         if step == 2:
             for m in (ref, model):
                 m.fc1.weight.requires_grad_(True)
-        if groups == "mixed_model_zero_grad":
-            ref.zero_grad()
-            model.zero_grad()
-            x, y = batch(step)
-            sum(shard_loss(ref, x, y, s) for s in range(N)).div(N).backward()
-            shard_loss(model, x, y, R).backward()
-            ref_opt.step()
-            opt.step()
-        else:
-            train_step(model, ref, opt, ref_opt, step)
+        train_step(model, ref, opt, ref_opt, step, zero_models=groups == "mixed_model_zero_grad")
         assert torch.equal(model.fc1.weight, frozen) == (step < 2)
         assert_parity(model, ref)
     assert_replicas_identical(model, f"groups.frozen.{groups}")
