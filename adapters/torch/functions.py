@@ -21,10 +21,10 @@ __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_objec
 class _TensorSpec:
     """What a state tensor looks like on the root, so other ranks can allocate it: its shape,
     dtype, strides, and whether it lives with its parameter (a momentum buffer on the GPU) or on
-    the CPU whatever the parameter's device (Adam's ``step``). The strides too: torch's fused
-    optimizers pair a state tensor with its parameter by memory position, so a contiguous buffer
-    beside a channels_last or transposed parameter (the root's follows the parameter) made the
-    other ranks' updates wrong, and the replicas parted silently."""
+    the CPU whatever the parameter's device (Adam's ``step``). Torch's fused optimizers pair a
+    state tensor with its parameter by memory position, so a contiguous buffer beside a
+    channels_last or transposed parameter (the root's follows the parameter) made the other
+    ranks' updates wrong, and the replicas parted silently."""
 
     __slots__ = ("shape", "dtype", "stride", "with_param")
 

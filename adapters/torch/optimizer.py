@@ -325,9 +325,9 @@ class _DistributedOptimizer(WrapperCommon):
         """Also reduce ``p`` with its group (if any) from now on."""
         super()._hvddp_track(p)
         gi = self._hvddp_group_of.get(p)
-        if gi is not None:
-            tracked = set(self._hvddp_params)
-            self._hvddp_live[gi] = [m for m in self._hvddp_groups[gi] if m in tracked]
+        if gi is not None:  # (in the group's order; a set: `in` on a list of tensors compares values)
+            live = {*self._hvddp_live[gi], p}
+            self._hvddp_live[gi] = [m for m in self._hvddp_groups[gi] if m in live]
 
     # backward side -----------------------------------------------------------------------
     def _hvddp_hook(self, p: torch.Tensor) -> None:
