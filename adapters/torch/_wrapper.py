@@ -194,8 +194,10 @@ class WrapperCommon:
     def _hvddp_mark_stepped(self) -> None:
         wrapped = getattr(self, "_hvddp_wrapped", None)
         wrapped = wrapped() if wrapped is not None else None
-        if wrapped is not None:  # an LR scheduler made on it checks that it stepped (torch >= 2.2)
-            wrapped._opt_called = True
+        if wrapped is not None:  # an LR scheduler made on it checks that it stepped
+            wrapped._opt_called = True  # torch >= 2.4
+            if "_step_count" in wrapped.__dict__:  # torch < 2.4 counts the steps (set by the scheduler)
+                wrapped._step_count += 1
 
     def __reduce_ex__(self, protocol):
         raise TypeError(f"a distributed {type(self).__name__} cannot be pickled (torch.save of the "

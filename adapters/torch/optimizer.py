@@ -760,7 +760,10 @@ class _DistributedOptimizer(WrapperCommon):
         return not (self._hvddp_synchronized and not self._hvddp_touched)
 
     def _hvddp_scaled_step(self, closure, scaler):
-        from torch.amp.grad_scaler import OptState
+        try:
+            from torch.amp.grad_scaler import OptState  # torch >= 2.3 (device-generic GradScaler)
+        except ImportError:  # torch 2.1-2.2: only torch.cuda.amp.GradScaler exists
+            from torch.cuda.amp.grad_scaler import OptState
 
         state = scaler._per_optimizer_states[id(self)]
         if self._hvddp_active and self._hvddp_should_synchronize and self._hvddp_unsynchronized():
