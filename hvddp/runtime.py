@@ -554,8 +554,8 @@ def _comm_ranks(sub, world) -> List[int]:
         raise ValueError("init(process_sets=...): a ProcessSet was made from MPI.COMM_NULL; every rank "
                          "needs a communicator that holds it (e.g. from COMM_WORLD.Split).")
     group, world_group = sub.Get_group(), world.Get_group()
-    try:
-        ranks = group.Translate_ranks(list(range(sub.Get_size())), world_group)
+    try:  # on the class: mpi4py 3.x has a classmethod (group1, ranks1, group2), 4.x a method
+        ranks = type(group).Translate_ranks(group, list(range(sub.Get_size())), world_group)
     finally:
         group.Free()
         world_group.Free()
