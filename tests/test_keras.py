@@ -8,6 +8,8 @@ launches them once per backend and number of ranks, and the example scripts once
 import importlib.util
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -50,7 +52,7 @@ FAST_COMPILE = {"jax": {"XLA_FLAGS": "--xla_backend_optimization_level=0"}}
 def _rank_side(np_, files, backend, *select):
     """Run the rank-side modules ``files`` in one launch on ``backend``; return the output."""
     env = {"KERAS_BACKEND": backend, **STALL, **FAST_COMPILE.get(backend, {})}
-    return run_pytest(np_, files[0], env=env, timeout=420, extra=[*files[1:], *QUIET, *select]).stdout
+    return run_pytest(np_, files[0], env=env, timeout=600, extra=[*files[1:], *QUIET, *select]).stdout
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -108,3 +110,19 @@ def test_horovod_style_elastic_keras_script_runs_with_only_the_import_changed(tm
     assert match, out
     assert match.group(1) == "4" and float(match.group(2)) >= 0.95 and match.group(3) == "True", out
     assert sorted(os.listdir(tmp_path)) == [f"checkpoint-{e}.keras" for e in range(1, 5)]
+
+
+@pytest.mark.parametrize("version, message", [
+    ("3.4.1", "hvddp.keras needs Keras 3.5 or later; found keras 3.4.1 (pip install -U 'keras>=3.5'"),
+    ("2.15.0", "hvddp.keras supports Keras 3; found keras 2.15.0."),
+])
+def test_a_keras_it_does_not_support_is_refused_at_import_naming_the_fix(tmp_path, version, message):
+    """Keras 3.0-3.4 failed inside DistributedOptimizer (an AttributeError for a step counter 3.5
+    added); the import says which Keras is needed instead. (A stand-in ``keras`` package, only its
+    version, shadows the installed one.)"""
+    (tmp_path / "keras").mkdir()
+    (tmp_path / "keras" / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", "import hvddp.keras"], env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 1 and f"ImportError: {message}" in result.stderr, result.stderr

@@ -19,11 +19,20 @@ from __future__ import annotations
 try:
     import keras as _keras
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("hvddp.keras needs Keras 3: pip install 'keras>=3' and a backend "
+    raise ImportError("hvddp.keras needs Keras 3.5 or later: pip install 'keras>=3.5' and a backend "
                       "(tensorflow-cpu, torch or jax).") from exc
 
-if not _keras.__version__.startswith("3."):  # pragma: no cover
+import re as _re
+
+_release = tuple(int(n) for n in _re.findall(r"\d+", _keras.__version__)[:2])  # (3, 15) for 3.15.1
+if _release[:1] != (3,):  # pragma: no cover
     raise ImportError(f"hvddp.keras supports Keras 3; found keras {_keras.__version__}.")
+# 3.5 reworked the optimizers' gradient accumulation (the optimizer's step counter, which
+# backward_passes_per_step and the callbacks' accumulator averaging use): on Keras 3.0-3.4
+# DistributedOptimizer would fail inside a step instead of here
+if _release < (3, 5):
+    raise ImportError(f"hvddp.keras needs Keras 3.5 or later; found keras {_keras.__version__} "
+                      f"(pip install -U 'keras>=3.5'; TensorFlow 2.16 and later accept it).")
 
 from hvddp import (Adasum, Average, BackendUnavailableError, Compression, HvddpError, LauncherMismatchError,
                    Max, Min,

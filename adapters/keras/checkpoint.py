@@ -115,7 +115,9 @@ def _global_seed_generator(create: bool):
         from keras.src.random import seed_generator
     except ImportError:  # pragma: no cover - a Keras layout we do not know
         return None
-    if not create and global_state.get_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR) is None:
+    # (Keras 3.5 has the key but not its constant)
+    key = getattr(seed_generator, "GLOBAL_SEED_GENERATOR", "global_seed_generator")
+    if not create and global_state.get_global_attribute(key) is None:
         return None
     return seed_generator.global_seed_generator()
 

@@ -26,6 +26,8 @@ from . import _backend, _keras2
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer", "load_model", "is_distributed"]
 
 _LossScaleOptimizer = keras.optimizers.LossScaleOptimizer
+# keras.optimizers.MultiOptimizer and its OptimizerMap came in Keras 3.15: before, no optimizer has a map
+_OptimizerMap = getattr(keras.optimizers, "OptimizerMap", None)
 _classes: Dict[type, type] = {}
 
 
@@ -691,6 +693,10 @@ class _Kept(keras.optimizers.schedules.LearningRateSchedule):
         return cls.objects[config["key"]]
 
 
+def _is_map(value: Any) -> bool:
+    return _OptimizerMap is not None and isinstance(value, _OptimizerMap)
+
+
 def _family(optimizer: Any) -> List[Any]:
     """``optimizer``, a LossScaleOptimizer's inner one, a MultiOptimizer's (its map's default,
     then by key: one object under two keys is listed twice), in a fixed order."""
@@ -699,7 +705,7 @@ def _family(optimizer: Any) -> List[Any]:
     if isinstance(inner, keras.optimizers.Optimizer):
         out += _family(inner)
     mapping = optimizer.__dict__.get("_optimizer_map")
-    if isinstance(mapping, keras.optimizers.OptimizerMap):  # by key: a rebuilt map has an
+    if _is_map(mapping):  # by key: a rebuilt map has an
         subs = [mapping.default_optimizer] + [mapping[k] for k in sorted(mapping)]  # optimizer per key
         out += [o for sub in subs if sub is not None for o in _family(sub)]
     return out
@@ -707,7 +713,7 @@ def _family(optimizer: Any) -> List[Any]:
 
 def _kept_kind(attribute: str, value: Any) -> bool:
     if attribute == "_optimizer_map":  # a selector function (an OptimizerMap is rebuilt)
-        return callable(value) and not isinstance(value, keras.optimizers.OptimizerMap)
+        return callable(value) and not _is_map(value)
     return isinstance(value, keras.optimizers.schedules.LearningRateSchedule) or (
         callable(value) and not isinstance(value, keras.Variable) and not keras.ops.is_tensor(value))
 
@@ -740,7 +746,7 @@ def _reshare(wrapped: Any, optimizer: Any) -> None:
     their own state (and Keras' torch AdamW fails on one whose variables are all excluded from
     weight decay, as a bias-only copy is)."""
     mine, theirs = wrapped.__dict__.get("_optimizer_map"), optimizer.__dict__.get("_optimizer_map")
-    if not (isinstance(mine, keras.optimizers.OptimizerMap) and isinstance(theirs, keras.optimizers.OptimizerMap)):
+    if not (_is_map(mine) and _is_map(theirs)):
         return
     first: Dict[int, Any] = {}
     for key in [None] + list(theirs._optimizer_map):  # None: the default optimizer
@@ -839,10 +845,10 @@ def local_layer_weights(local_layers: Any, who: str) -> List[Any]:
 def _accumulation_config(config: dict) -> Optional[dict]:
     """The config dict that holds ``gradient_accumulation_steps`` (a LossScaleOptimizer's inner);
     None where there is none (a MultiOptimizer's)."""
-    if "gradient_accumulation_steps" in config:
-        return config
     inner = config.get("inner_optimizer", {}).get("config", {})
-    return inner if "gradient_accumulation_steps" in inner else None
+    if "gradient_accumulation_steps" in inner:  # (before Keras 3.13 a LossScaleOptimizer's own
+        return inner  # config also had the key, None: the inner optimizer's passes were missed)
+    return config if "gradient_accumulation_steps" in config else None
 
 
 def _passes(config: dict) -> int:
