@@ -25,7 +25,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 import re as _re
 
 _release = tuple(int(n) for n in _re.findall(r"\d+", _keras.__version__)[:2])  # (3, 15) for 3.15.1
-if _release[:1] != (3,):  # pragma: no cover
+if _release[:1] != (3,):
     raise ImportError(f"hvddp.keras supports Keras 3; found keras {_keras.__version__}.")
 # 3.5 reworked the optimizers' gradient accumulation (the optimizer's step counter, which
 # backward_passes_per_step and the callbacks' accumulator averaging use): on Keras 3.0-3.4
